@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its numpy interpreter. Triton reads this flag when a
+# kernel is defined, so it must be set before anything imports the kernel modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
