@@ -1,0 +1,86 @@
+"""Batches of token sequences from memory-mapped shards, each DDP rank reading its own slice.
+
+All ranks walk the shards in lockstep. A shared base position advances by world_size*B*T tokens per
+batch and rank r reads the B*T+1 tokens from base + r*B*T, so the ranks see disjoint data and together
+read exactly what one process with a world_size-times-larger batch would. A shard with fewer than
+world_size*B*T+1 tokens left is done; after the last shard the loader starts over from the first.
+"""
+import os
+
+import numpy as np
+import torch
+
+from .shards import find_shards, load_shard
+
+
+class TokenLoader:
+    def __init__(self, data_dir: str, split: str, batch_size: int, block_size: int,
+                 rank: int = 0, world_size: int = 1):
+        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("world_size", world_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}; "
+                             "under torchrun pass int(os.environ['RANK']) and int(os.environ['WORLD_SIZE'])")
+        prepare_hint = "prepare the data first, e.g. `python -m data.shakespeare` (or `python -m data.fineweb`)"
+        if not os.path.isdir(data_dir):
+            raise FileNotFoundError(f"data_dir {data_dir!r} does not exist; {prepare_hint}")
+        self.shards = find_shards(data_dir, split)
+        if not self.shards:
+            raise FileNotFoundError(f"no {split}_*.npy shards in {data_dir!r}; {prepare_hint}")
+
+        self.data_dir, self.split = data_dir, split
+        self.batch_size, self.block_size, self.rank, self.world_size = batch_size, block_size, rank, world_size
+        self.tokens_per_step = world_size * batch_size * block_size  # how far the shared base moves per batch
+        # +1: the target of a batch's last position is the token just after it
+        need = self.tokens_per_step + 1
+        self.shard_sizes = [len(load_shard(path)) for path in self.shards]
+        for path, size in zip(self.shards, self.shard_sizes):
+            if size < need:
+                raise ValueError(
+                    f"shard {path} holds {size} tokens, fewer than one batch needs: world_size * batch_size * "
+                    f"block_size + 1 = {world_size} * {batch_size} * {block_size} + 1 = {need}; "
+                    "lower batch_size or block_size, or prepare more data"
+                )
+        self._open(0, 0)
+
+    def _open(self, shard: int, position: int) -> None:
+        self.shard, self.position = shard, position
+        self.tokens = load_shard(self.shards[shard])
+
+    def _next_shard_if_exhausted(self) -> None:
+        if len(self.tokens) - self.position < self.tokens_per_step + 1:
+            self._open((self.shard + 1) % len(self.shards), 0)  # after the last shard: a new epoch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y: (B, T) int64 on the CPU; y[b, t] is the token that follows x[b, t]."""
+        B, T = self.batch_size, self.block_size
+        start = self.position + self.rank * B * T
+        buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))
+        x = buf[:-1].view(B, T)
+        y = buf[1:].view(B, T)
+        self.position += self.tokens_per_step
+        self._next_shard_if_exhausted()
+        return x, y
+
+    def state_dict(self) -> dict:
+        """Where the next batch starts. It names the shared base position, not this rank's slice, so
+        rank 0's state restores every rank."""
+        return {"split": self.split, "shard": self.shard, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not {"split", "shard", "position"} <= state.keys():
+            raise ValueError(f"expected a dict from TokenLoader.state_dict() with keys 'split', 'shard' and "
+                             f"'position', got {state!r}")
+        if state["split"] != self.split:
+            raise ValueError(f"the state is for split {state['split']!r} but this loader reads {self.split!r}")
+        shard, position = state["shard"], state["position"]
+        if not 0 <= shard < len(self.shards):
+            raise ValueError(f"the state points at shard {shard} but {self.data_dir!r} holds {len(self.shards)} "
+                             f"{self.split} shards; resume with the data_dir the run started with")
+        if not 0 <= position <= self.shard_sizes[shard]:
+            raise ValueError(f"the state's position {position} lies outside shard {self.shards[shard]} "
+                             f"({self.shard_sizes[shard]} tokens); resume with the data_dir the run started with")
+        self._open(shard, position)
+        # a resume with a larger batch may find less than a batch left here
+        self._next_shard_if_exhausted()

@@ -1,0 +1,287 @@
+"""data/: tokenizer, shard writer, tiny shakespeare and FineWeb-Edu preparation, TokenLoader. No network:
+the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR offline, and FineWeb documents are an in-memory list."""
+import itertools
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+
+from data import fineweb, shakespeare
+from data.loader import TokenLoader
+from data.shards import find_shards, shard_path, write_shard
+from data.tokenizer import EOT_TOKEN, encode, get_encoding, to_uint16
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. — café ✓\n"
+
+
+@pytest.fixture(scope="module")
+def enc():
+    try:
+        return get_encoding()
+    except RuntimeError as err:
+        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR when offline): {err}")
+
+
+# --- tokenizer and shards ---------------------------------------------------------------------------
+
+def test_encode_round_trip(enc):
+    tokens = encode(TEXT)
+    assert tokens.dtype == np.uint16 and tokens.ndim == 1
+    assert enc.decode(tokens.tolist()) == TEXT
+    assert enc.eot_token == EOT_TOKEN
+
+
+def test_special_token_text_is_not_a_document_boundary(enc):
+    tokens = encode("a <|endoftext|> b")
+    assert EOT_TOKEN not in tokens
+    assert enc.decode(tokens.tolist()) == "a <|endoftext|> b"
+
+
+@pytest.mark.parametrize("bad", [[1, 2**16], [-1, 5]])
+def test_to_uint16_rejects_ids_that_do_not_fit(bad):
+    with pytest.raises(ValueError, match="uint16"):
+        to_uint16(bad)
+
+
+def test_get_encoding_offline_error_names_the_fix(monkeypatch):
+    def offline(name):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR"):
+        get_encoding()
+
+
+def test_write_shard_round_trip_leaves_no_temp_file(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    path = shard_path(str(tmp_path / "d"), "train", 3)
+    write_shard(path, tokens)
+    assert path.endswith("train_000003.npy")
+    assert np.array_equal(np.load(path), tokens)
+    assert os.listdir(tmp_path / "d") == ["train_000003.npy"]
+
+
+def test_interrupted_write_keeps_the_old_shard_and_no_partial_file(tmp_path, monkeypatch):
+    path = shard_path(str(tmp_path), "train", 0)
+    write_shard(path, np.arange(10, dtype=np.uint16))
+
+    def save_half_then_die(f, tokens):
+        f.write(b"\x93NUMPY partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "save", save_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        write_shard(path, np.arange(20, dtype=np.uint16))
+    monkeypatch.undo()
+    assert np.array_equal(np.load(path), np.arange(10))
+    assert os.listdir(tmp_path) == ["train_000000.npy"]
+
+
+def test_write_shard_rejects_wide_tokens(tmp_path):
+    with pytest.raises(TypeError, match="uint16"):
+        write_shard(str(tmp_path / "train_000000.npy"), np.arange(5))
+
+
+# --- tiny shakespeare --------------------------------------------------------------------------------
+
+def test_shakespeare_splits_90_10_and_decodes_back(enc, tmp_path, capsys):
+    text_file = tmp_path / "input.txt"
+    text_file.write_text(TEXT * 5, encoding="utf-8")
+    out_dir = tmp_path / "shards"
+    shakespeare.main(["--input", str(text_file), "--out_dir", str(out_dir)])
+
+    n = len(encode(TEXT * 5))
+    train, val = np.load(out_dir / "train_000000.npy"), np.load(out_dir / "val_000000.npy")
+    assert (len(train), len(val)) == (int(0.9 * n), n - int(0.9 * n))
+    assert train.dtype == val.dtype == np.uint16
+    assert enc.decode(np.concatenate([train, val]).tolist()) == TEXT * 5
+    assert f"train: {len(train):,} tokens, val: {len(val):,} tokens" in capsys.readouterr().out
+
+
+def test_shakespeare_download_failure_says_pass_input(monkeypatch):
+    def no_network(url, timeout):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    with pytest.raises(RuntimeError, match="pass --input PATH"):
+        shakespeare.download_text()
+
+
+def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path):
+    with pytest.raises(ValueError, match="too few"):
+        shakespeare.prepare("a", str(tmp_path))
+
+
+# --- FineWeb-Edu ---------------------------------------------------------------------------------------
+
+DOCUMENTS = [f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 4 + 1) for i in range(12)]
+
+
+def expected_stream(documents):
+    return np.concatenate([np.concatenate(([EOT_TOKEN], encode(d))) for d in documents]).astype(np.uint16)
+
+
+def read_all(paths):
+    return np.concatenate([np.load(p) for p in paths])
+
+
+def test_fineweb_shards_eot_before_each_document(enc, tmp_path, capsys):
+    paths = fineweb.write_shards(DOCUMENTS, str(tmp_path), shard_tokens=64)
+    stream = expected_stream(DOCUMENTS)
+    assert paths[0] == shard_path(str(tmp_path), "val", 0)
+    assert paths[1:] == find_shards(str(tmp_path), "train")
+    assert [len(np.load(p)) for p in paths[:-1]] == [64] * (len(paths) - 1)
+    assert 0 < len(np.load(paths[-1])) <= 64
+    assert np.array_equal(read_all(paths), stream)
+    # every document starts right after an EOT
+    starts = np.flatnonzero(stream == EOT_TOKEN)
+    assert len(starts) == len(DOCUMENTS) and starts[0] == 0
+    assert enc.decode(stream[starts[3] + 1 : starts[4]].tolist()) == DOCUMENTS[3]
+
+
+def test_fineweb_max_tokens_stops_an_endless_stream(enc, tmp_path, capsys):
+    endless = itertools.cycle(DOCUMENTS)
+    paths = fineweb.write_shards(endless, str(tmp_path), shard_tokens=50, max_tokens=130)
+    assert [len(np.load(p)) for p in paths] == [50, 50, 30]
+    assert np.array_equal(read_all(paths), expected_stream(DOCUMENTS * 2)[:130])
+
+
+def test_fineweb_workers_keep_document_order(enc, tmp_path, capsys):
+    one = fineweb.write_shards(DOCUMENTS, str(tmp_path / "one"), shard_tokens=64, workers=1)
+    two = fineweb.write_shards(DOCUMENTS, str(tmp_path / "two"), shard_tokens=64, workers=2)
+    assert np.array_equal(read_all(one), read_all(two))
+
+
+def test_fineweb_shards_feed_the_loader(enc, tmp_path, capsys):
+    fineweb.write_shards(DOCUMENTS, str(tmp_path), shard_tokens=64)
+    x, y = TokenLoader(str(tmp_path), "val", batch_size=3, block_size=8).next_batch()
+    assert torch.equal(x.flatten(), torch.from_numpy(expected_stream(DOCUMENTS)[:24].astype(np.int64)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shard_tokens": 0}, "shard_tokens must be a positive integer"),
+    ({"workers": 0}, "workers must be a positive integer"),
+    ({"shard_tokens": 100, "max_tokens": 100}, "no train shard"),
+])
+def test_fineweb_bad_arguments(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fineweb.write_shards(DOCUMENTS, str(tmp_path), **kwargs)
+
+
+def test_fineweb_refuses_to_mix_with_existing_shards(tmp_path):
+    write_shard(shard_path(str(tmp_path), "train", 7), np.zeros(4, dtype=np.uint16))
+    with pytest.raises(FileExistsError, match="already holds shards"):
+        fineweb.write_shards(DOCUMENTS, str(tmp_path), shard_tokens=64)
+
+
+def test_fineweb_without_datasets_says_pip_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(ImportError, match="pip install datasets"):
+        fineweb.stream_documents()
+
+
+# --- TokenLoader ---------------------------------------------------------------------------------------
+
+def make_shards(folder, sizes, split="train"):
+    """Shard i holds the token ids i*1000, i*1000+1, ...: every token says where it came from."""
+    for i, size in enumerate(sizes):
+        write_shard(shard_path(str(folder), split, i), np.arange(i * 1000, i * 1000 + size, dtype=np.uint16))
+    return str(folder)
+
+
+def first_tokens(loader, steps):
+    return [loader.next_batch()[0][0, 0].item() for _ in range(steps)]
+
+
+def test_y_is_x_shifted_by_one(tmp_path):
+    x, y = TokenLoader(make_shards(tmp_path, [100]), "train", batch_size=3, block_size=5).next_batch()
+    assert x.shape == y.shape == (3, 5) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
+    assert torch.equal(x.flatten(), torch.arange(15))
+    assert torch.equal(y.flatten(), torch.arange(1, 16))
+
+
+def test_shard_rollover_and_wrap_around(tmp_path):
+    # a batch needs 2*4+1 = 9 tokens: shard 0 (20 tokens) gives two, shard 1 (10 tokens) one, then shard 0 again
+    loader = TokenLoader(make_shards(tmp_path, [20, 10]), "train", batch_size=2, block_size=4)
+    assert first_tokens(loader, 5) == [0, 8, 1000, 0, 8]
+    assert loader.state_dict() == {"split": "train", "shard": 1, "position": 0}
+
+
+def test_two_ranks_split_what_one_rank_with_twice_the_batch_reads(tmp_path):
+    data_dir = make_shards(tmp_path, [50, 30, 41])
+    ranks = [TokenLoader(data_dir, "train", 2, 4, rank=r, world_size=2) for r in range(2)]
+    single = TokenLoader(data_dir, "train", 4, 4)
+    for _ in range(12):  # several rollovers and one wrap-around
+        (x0, y0), (x1, y1), (x, y) = ranks[0].next_batch(), ranks[1].next_batch(), single.next_batch()
+        assert not set(x0.flatten().tolist()) & set(x1.flatten().tolist())
+        assert torch.equal(torch.cat([x0, x1]), x) and torch.equal(torch.cat([y0, y1]), y)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+
+
+def test_state_dict_restores_the_exact_next_batches_on_every_rank(tmp_path):
+    data_dir = make_shards(tmp_path, [50, 30, 41])
+    rank0, rank1 = (TokenLoader(data_dir, "train", 2, 3, rank=r, world_size=2) for r in range(2))
+    for _ in range(5):
+        rank0.next_batch(), rank1.next_batch()
+    state = json.loads(json.dumps(rank0.state_dict()))  # plain data: survives any checkpoint format
+    expected = [rank1.next_batch() for _ in range(10)]
+
+    resumed = TokenLoader(data_dir, "train", 2, 3, rank=1, world_size=2)  # restored from rank 0's state
+    resumed.load_state_dict(state)
+    for (x, y), (ex, ey) in zip((resumed.next_batch() for _ in range(10)), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_restore_with_a_larger_batch_moves_on_when_too_little_is_left(tmp_path):
+    data_dir = make_shards(tmp_path, [30, 30])
+    loader = TokenLoader(data_dir, "train", 2, 4)
+    loader.load_state_dict({"split": "train", "shard": 0, "position": 16})  # 14 tokens left, a batch needs 9
+    assert first_tokens(loader, 1) == [16]
+    bigger = TokenLoader(data_dir, "train", 4, 4)  # needs 17: shard 0 is done
+    bigger.load_state_dict({"split": "train", "shard": 0, "position": 16})
+    assert first_tokens(bigger, 1) == [1000]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"rank": 2, "world_size": 2}, ValueError, r"rank must be an integer in \[0, world_size=2\)"),
+    ({"rank": -1}, ValueError, "rank must be"),
+    ({"world_size": 0}, ValueError, "world_size must be a positive integer"),
+    ({"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+    ({"block_size": 2.5}, ValueError, "block_size must be a positive integer"),
+    ({"split": "val"}, FileNotFoundError, r"no val_\*\.npy shards .*python -m data\.shakespeare"),
+    ({"batch_size": 10}, ValueError, r"holds 40 tokens.*1 \* 10 \* 4 \+ 1 = 41"),
+])
+def test_loader_errors(tmp_path, kwargs, error, match):
+    data_dir = make_shards(tmp_path, [100, 40])
+    args = {"split": "train", "batch_size": 2, "block_size": 4} | kwargs
+    with pytest.raises(error, match=match):
+        TokenLoader(data_dir, **args)
+
+
+def test_loader_error_for_missing_data_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*python -m data\.shakespeare"):
+        TokenLoader(str(tmp_path / "nowhere"), "train", 2, 4)
+
+
+def test_loader_error_for_a_shard_that_is_not_uint16(tmp_path):
+    np.save(tmp_path / "train_000000.npy", np.arange(100, dtype=np.int32))
+    with pytest.raises(ValueError, match="not 1-D uint16"):
+        TokenLoader(str(tmp_path), "train", 2, 4)
+
+
+@pytest.mark.parametrize("state, match", [
+    ({"shard": 0}, "with keys 'split', 'shard' and 'position'"),
+    ({"split": "val", "shard": 0, "position": 0}, "split 'val' but this loader reads 'train'"),
+    ({"split": "train", "shard": 2, "position": 0}, "points at shard 2 but .* holds 2 train shards"),
+    ({"split": "train", "shard": 1, "position": 41}, "position 41 lies outside"),
+])
+def test_load_state_dict_errors(tmp_path, state, match):
+    loader = TokenLoader(make_shards(tmp_path, [100, 40]), "train", 2, 4)
+    with pytest.raises(ValueError, match=match):
+        loader.load_state_dict(state)
