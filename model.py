@@ -1,0 +1,321 @@
+"""GPT-2 (124M to 1.5B) in one file, with the attention backend chosen by one config field.
+
+    model = GPT(GPTConfig.preset("gpt2", attn="triton"))
+    logits, loss = model(idx, targets)        # idx, targets: (B, T) token ids
+
+Module names follow Hugging Face's GPT-2 so its checkpoints load 1:1 (see load_hf_state_dict).
+"""
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import attention, available_backends
+
+# every GPT-2 size uses a head size of 64; only the depth and width change
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+PRESET_ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
+HF_VOCAB_SIZE = 50257  # GPT-2's real vocabulary; the default 50304 pads it to a multiple of 64 for faster matmuls
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest sequence: the number of learned position embeddings
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    # Dropout on the residual path only (embeddings, attention output, MLP output). Dropout on the
+    # attention probabilities is not offered: the flash backends never materialise them.
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2; False is a bit faster
+    attn: str = "sdpa"  # attention backend, one of attention.available_backends()
+
+    def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; every head gets "
+                "n_embd // n_head channels, so pick n_head among the divisors of n_embd"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.attn not in available_backends():
+            raise ValueError(
+                f"unknown attention backend attn={self.attn!r}; choose one of: {', '.join(available_backends())}"
+            )
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        """GPT-2 sizes by HF name or parameter count: gpt2|124M, gpt2-medium|350M, gpt2-large|774M, gpt2-xl|1.5B."""
+        name = PRESET_ALIASES.get(name, name)
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join([*PRESETS, *PRESET_ALIASES])}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            hint = " (`dropout` acts on the residual path; attention-probability dropout is not supported)"
+            raise ValueError(
+                f"unknown GPTConfig field(s) {unknown}; valid fields: {valid}"
+                + (hint if any("dropout" in k for k in unknown) else "")
+            )
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.backend = config.attn
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True  # see GPT._init_weights
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hs). Left as strided views on purpose: the Triton kernel reads
+        # them in place, and a .contiguous() here would cost three copies per layer.
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = attention(q, k, v, causal=True, backend=self.backend)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 was trained with the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN: normalise before each sub-layer, so the residual stream itself is never normalised."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # weight tying: the output projection is the token embedding (saves vocab * n_embd parameters)
+        self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            # Each block adds its two residual projections to the stream, so the stream's variance
+            # grows with depth; GPT-2 scales these inits by 1/sqrt(number of additions) to cancel it.
+            if getattr(module, "residual_projection", False):
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None):
+        """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean cross-entropy
+        (None without targets); targets equal to -1 are ignored."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; use idx[None] for one sequence")
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds block_size={self.config.block_size}; crop the input to its "
+                f"last {self.config.block_size} tokens or build the model with a larger block_size"
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self) -> int:
+        # parameters() yields the tied wte/lm_head weight once
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token, for MFU: 6 per parameter (2 forward, 4 backward) plus the
+        attention score and value matmuls, 12 * n_layer * n_head * head_dim * block_size (the
+        causal mask's skipped half is counted, as is the convention)."""
+        cfg = self.config
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
+        # Decay matmul weights and embeddings (every 2-D tensor); biases and LayerNorm gains are
+        # 1-D and only shift or scale activations, so shrinking them towards 0 just hurts.
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        # the fused kernel updates all parameters in a few launches instead of several per tensor
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
+
+        temperature=0 means greedy decoding (argmax), the same as top_k=1. Put the model in
+        eval() mode first if it has dropout. Every step re-runs the whole (cropped) context:
+        there is no KV cache yet.
+        """
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])  # crop: positions past block_size have no embedding
+            logits = logits[:, -1, :]  # (B, vocab): only the last position predicts the next token
+            if temperature == 0:
+                idx_next = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth_largest, -math.inf)
+                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa") -> "GPT":
+        """OpenAI's GPT-2 weights by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl or 124M ... 1.5B,
+        through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). A local
+        file's n_head comes from a config.json beside it (as save_pretrained writes), else from
+        GPT-2's head size of 64."""
+        name = PRESET_ALIASES.get(str(name_or_path), str(name_or_path))
+        if name in PRESETS:
+            state_dict = _download_hf_state_dict(name)
+        elif Path(name_or_path).is_file():
+            state_dict = _read_state_dict_file(Path(name_or_path))
+        else:
+            raise ValueError(
+                f"{name_or_path!r} is neither a GPT-2 name ({', '.join([*PRESETS, *PRESET_ALIASES])}) "
+                "nor an existing state dict file"
+            )
+        state_dict = _with_transformer_prefix(state_dict)
+        vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
+        n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
+        n_head = PRESETS[name]["n_head"] if name in PRESETS else _local_n_head(Path(name_or_path), n_embd)
+        config = GPTConfig(block_size=state_dict["transformer.wpe.weight"].shape[0], vocab_size=vocab_size,
+                           n_layer=n_layer, n_head=n_head, n_embd=n_embd, attn=attn)
+        model = cls(config)
+        load_hf_state_dict(model, state_dict)
+        return model
+
+
+# HF's GPT-2 uses Conv1D layers, which store weights as (in, out); nn.Linear stores (out, in)
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# non-trainable buffers in older HF checkpoints (a causal mask and its fill value): nothing to load
+_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+def _with_transformer_prefix(state_dict: dict) -> dict:
+    """GPT2Model checkpoints (like OpenAI's original upload) name keys h.0..., GPT2LMHeadModel ones transformer.h.0..."""
+    return {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in state_dict.items()}
+
+
+def load_hf_state_dict(model: GPT, state_dict: dict) -> None:
+    """Copy a Hugging Face GPT-2 state dict into model in place (shapes and names must match)."""
+    state_dict = {k: v for k, v in _with_transformer_prefix(state_dict).items() if not k.endswith(_HF_BUFFERS)}
+    state_dict.pop("lm_head.weight", None)  # tied to wte (save_pretrained often leaves it out)
+    ours = model.state_dict()
+    expected = set(ours) - {"lm_head.weight"}
+    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not match the model: missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}; HF GPT-2 weights need GPTConfig(bias=True) and the checkpoint's n_layer"
+        )
+    with torch.no_grad():
+        for key, weight in state_dict.items():
+            if key.endswith(_CONV1D_WEIGHTS):
+                weight = weight.t()
+            if weight.shape != ours[key].shape:
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(weight.shape)} != model shape {tuple(ours[key].shape)}; "
+                    f"HF GPT-2 uses vocab_size={HF_VOCAB_SIZE} and block_size=1024"
+                )
+            ours[key].copy_(weight)
+
+
+def _download_hf_state_dict(name: str) -> dict:
+    try:
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        raise ImportError(f"loading {name!r} by name needs transformers: pip install transformers") from None
+    try:
+        return GPT2LMHeadModel.from_pretrained(name).state_dict()
+    except OSError as e:
+        raise OSError(
+            f"could not fetch {name!r} from the Hugging Face Hub ({e}); when offline, download it elsewhere "
+            "and pass the path of its model.safetensors or pytorch_model.bin instead"
+        ) from e
+
+
+def _read_state_dict_file(path: Path) -> dict:
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ImportError(f"reading {path} needs the safetensors package: pip install safetensors") from None
+        return load_file(path)
+    if path.suffix in (".bin", ".pt", ".pth"):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise ValueError(f"unsupported weights file {path}; expected .safetensors, .bin, .pt or .pth")
+
+
+def _local_n_head(path: Path, n_embd: int) -> int:
+    """Weight shapes do not reveal n_head: read it from the config.json that save_pretrained writes
+    beside the weights, else assume GPT-2's head size of 64."""
+    config_file = path.parent / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text())["n_head"]
+    if n_embd % 64 != 0:
+        raise ValueError(
+            f"cannot tell n_head for {path}: n_embd={n_embd} is not a multiple of GPT-2's head size 64; "
+            "put the checkpoint's HF config.json beside it"
+        )
+    return n_embd // 64

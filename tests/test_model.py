@@ -1,0 +1,192 @@
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import attention
+from model import GPT, GPTConfig, load_hf_state_dict
+
+# tiny but with every feature: 2 layers, 4 heads of 8 channels, GPT-2's real vocabulary
+TINY = dict(block_size=16, vocab_size=50257, n_layer=2, n_head=4, n_embd=32)
+TRITON_OP_EXISTS = (Path(attention.__file__).parent / "triton_op.py").exists()
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, **overrides})).eval()
+
+
+def tokens(B=2, T=12, seed=1):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_124M_parameter_count():
+    # counted by hand: tied wte 50304*768 + wpe 1024*768 + 12 blocks of 7,087,872 + ln_f 1536
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("124M"))
+    assert model.num_params() == 124_475_904
+    assert model.flops_per_token() == 6 * 124_475_904 + 12 * 12 * 768 * 1024
+
+
+@pytest.mark.parametrize("name, hf_count", [
+    ("gpt2", 124_439_808), ("350M", 354_823_168), ("gpt2-large", 774_030_080), ("1.5B", 1_557_611_200),
+])
+def test_preset_parameter_counts_match_openai_gpt2(name, hf_count):
+    # the published sizes of OpenAI's checkpoints (vocab 50257); meta tensors allocate nothing
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset(name, vocab_size=50257))
+        padded = GPT(GPTConfig.preset(name))
+    assert model.num_params() == hf_count
+    assert padded.num_params() == hf_count + (50304 - 50257) * model.config.n_embd
+
+
+def test_forward_shapes_and_initial_loss():
+    model = tiny_model()
+    idx = tokens()
+    logits, loss = model(idx)
+    assert logits.shape == (2, 12, TINY["vocab_size"]) and loss is None
+    _, loss = model(idx, targets=tokens(seed=2))
+    # small init makes the logits nearly uniform, so the loss starts at ln(vocab)
+    assert abs(loss.item() - math.log(TINY["vocab_size"])) < 0.1
+
+
+def test_residual_projections_get_scaled_init():
+    model = GPT(GPTConfig(**{**TINY, "n_layer": 8, "n_embd": 256}))
+    block = model.transformer.h[0]
+    expected = 0.02 / math.sqrt(2 * 8)
+    assert block.attn.c_proj.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert block.mlp.c_proj.weight.std().item() == pytest.approx(expected, rel=0.05)
+    assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.attn.c_attn.bias.abs().max().item() == 0.0
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def random_hf_gpt2():
+    """A tiny transformers GPT-2 with every parameter random, biases and LayerNorms included,
+    so a missing transpose or a mis-mapped bias cannot hide behind a zero init."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=TINY["block_size"], n_embd=TINY["n_embd"],
+                                  n_layer=TINY["n_layer"], n_head=TINY["n_head"])
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    return hf
+
+
+def test_hf_weights_give_hf_logits():
+    hf = random_hf_gpt2()
+    model = tiny_model()
+    load_hf_state_dict(model, hf.state_dict())
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("file_name", ["pytorch_model.bin", "model.safetensors"])
+def test_from_pretrained_local_file(tmp_path, file_name):
+    hf = random_hf_gpt2()
+    hf.save_pretrained(tmp_path)  # writes config.json and model.safetensors (without the tied lm_head)
+    if file_name.endswith(".bin"):
+        torch.save(hf.state_dict(), tmp_path / file_name)
+    model = GPT.from_pretrained(str(tmp_path / file_name), attn="naive")
+    assert model.config.n_head == TINY["n_head"] and model.config.attn == "naive"
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_load_hf_state_dict_rejects_mismatches():
+    sd = random_hf_gpt2().state_dict()
+    with pytest.raises(ValueError, match="vocab_size=50257"):
+        load_hf_state_dict(tiny_model(vocab_size=50304), sd)
+    with pytest.raises(ValueError, match="bias=True"):
+        load_hf_state_dict(tiny_model(bias=False), sd)
+    with pytest.raises(ValueError, match="neither a GPT-2 name"):
+        GPT.from_pretrained("no/such/file.bin")
+
+
+BACKENDS = ["naive", "compile", "sdpa", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON_OP_EXISTS, reason="attention/triton_op.py (the Triton kernel) is not written yet"))]
+
+
+@pytest.fixture(scope="module")
+def sdpa_logits_and_grads():
+    return logits_and_grads("sdpa")
+
+
+def logits_and_grads(backend):
+    model = tiny_model(attn=backend)
+    logits, loss = model(tokens(), targets=tokens(seed=2))
+    loss.backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_agree_on_logits_and_grads(backend, sdpa_logits_and_grads):
+    ref_logits, ref_grads = sdpa_logits_and_grads
+    logits, grads = logits_and_grads(backend)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_attention_gets_strided_views_not_copies(monkeypatch):
+    # the Triton backend reads q, k, v straight out of the c_attn output; copying them would waste memory traffic
+    seen = []
+
+    def spy(q, k, v, causal, scale):
+        seen.append((q.is_contiguous(), k.is_contiguous(), v.is_contiguous(), causal))
+        return attention.registry.naive_attention(q, k, v, causal, scale)
+
+    monkeypatch.setitem(attention.registry._BACKENDS, "spy", spy)
+    tiny_model(attn="spy")(tokens())
+    assert seen == [(False, False, False, True)] * TINY["n_layer"]
+
+
+def test_generate_length_and_greedy():
+    model = tiny_model(block_size=8)
+    idx = tokens(B=2, T=5)
+    out = model.generate(idx, max_new_tokens=6, top_k=5)  # runs past block_size: the context gets cropped
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], idx)
+
+    greedy = idx
+    for _ in range(6):
+        next_token = model(greedy[:, -8:])[0][:, -1].argmax(dim=-1, keepdim=True)
+        greedy = torch.cat((greedy, next_token), dim=1)
+    assert torch.equal(model.generate(idx, 6, top_k=1), greedy)
+    assert torch.equal(model.generate(idx, 6, temperature=0), greedy)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"),
+])
+def test_generate_rejects_bad_sampling_args(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model().generate(tokens(), 1, **kwargs)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="n_head"):
+        GPTConfig(n_embd=100, n_head=12)
+    with pytest.raises(ValueError, match="choose one of: .*naive"):
+        GPTConfig(attn="flash9000")
+    with pytest.raises(ValueError, match="attention-probability dropout"):
+        GPTConfig.preset("gpt2", attn_dropout=0.1)
+    with pytest.raises(ValueError, match="unknown preset"):
+        GPTConfig.preset("gpt5")
+    with pytest.raises(ValueError, match="block_size=8"):
+        tiny_model(block_size=8)(tokens(T=9))
+
+
+def test_optimizer_groups():
+    model = tiny_model()
+    opt = model.configure_optimizers(weight_decay=0.1, learning_rate=6e-4, betas=(0.9, 0.95), device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    ids = [id(p) for group in opt.param_groups for p in group["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each parameter once, tied weight too
+    n_linear = 4 * TINY["n_layer"]
+    assert len(decay["params"]) == n_linear + 2  # the Linears + wte (= lm_head) + wpe
