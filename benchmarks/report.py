@@ -1,0 +1,90 @@
+"""What both benchmarks' reports share: the environment record, number formatting, markdown tables,
+CSV/JSON writing and a headless matplotlib."""
+import csv
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+
+def environment(device: torch.device) -> dict:
+    """Software and hardware the numbers came from. No hostname: results get committed."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device.type,
+        "gpu": None,
+        "driver": None,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["driver"] = _nvidia_driver_version()
+    return env
+
+
+def _nvidia_driver_version() -> str | None:
+    # torch knows the CUDA driver API version only, not the driver release (e.g. 570.124.06)
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200', for folder names."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def fmt(x, digits: int = 3) -> str:
+    """Three significant figures, no exponent for large numbers; '-' for a missing value.
+    Tests compare table cells to the JSON through this same function."""
+    if x is None:
+        return "-"
+    if abs(x) >= 10**digits:
+        return f"{x:.0f}"
+    return f"{x:.{digits}g}"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, obj) -> None:
+    # write-then-rename: a run killed mid-write (e.g. by a time limit) leaves the last good file
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files only: the GPU box and CI have no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
