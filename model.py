@@ -24,13 +24,12 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 PRESET_ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
-HF_VOCAB_SIZE = 50257  # GPT-2's real vocabulary; the default 50304 pads it to a multiple of 64 for faster matmuls
 
 
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # longest sequence: the number of learned position embeddings
-    vocab_size: int = 50304
+    vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64: faster matmuls
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
@@ -46,16 +45,13 @@ class GPTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; every head gets "
-                "n_embd // n_head channels, so pick n_head among the divisors of n_embd"
-            )
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; each head gets "
+                             "n_embd // n_head channels, so pick n_head among the divisors of n_embd")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if self.attn not in available_backends():
-            raise ValueError(
-                f"unknown attention backend attn={self.attn!r}; choose one of: {', '.join(available_backends())}"
-            )
+            raise ValueError(f"unknown attention backend attn={self.attn!r}; "
+                             f"choose one of: {', '.join(available_backends())}")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -67,10 +63,8 @@ class GPTConfig:
         unknown = sorted(set(overrides) - set(valid))
         if unknown:
             hint = " (`dropout` acts on the residual path; attention-probability dropout is not supported)"
-            raise ValueError(
-                f"unknown GPTConfig field(s) {unknown}; valid fields: {valid}"
-                + (hint if any("dropout" in k for k in unknown) else "")
-            )
+            raise ValueError(f"unknown GPTConfig field(s) {unknown}; valid fields: {valid}"
+                             + (hint if any("dropout" in k for k in unknown) else ""))
         return cls(**{**PRESETS[name], **overrides})
 
 
@@ -154,13 +148,12 @@ class GPT(nn.Module):
         """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean cross-entropy
         (None without targets); targets equal to -1 are ignored."""
         if idx.dim() != 2:
-            raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; use idx[None] for one sequence")
+            raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; "
+                             "use idx[None] for a single sequence")
         B, T = idx.size()
         if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size={self.config.block_size}; crop the input to its "
-                f"last {self.config.block_size} tokens or build the model with a larger block_size"
-            )
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; crop the input to "
+                             f"its last {self.config.block_size} tokens or build the model with a larger block_size")
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
@@ -223,24 +216,25 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path: str, attn: str = "sdpa") -> "GPT":
         """OpenAI's GPT-2 weights by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl or 124M ... 1.5B,
         through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). A local
-        file's n_head comes from a config.json beside it (as save_pretrained writes), else from
-        GPT-2's head size of 64."""
-        name = PRESET_ALIASES.get(str(name_or_path), str(name_or_path))
+        file's n_head, which no weight shape reveals, comes from a config.json beside it (as
+        save_pretrained writes), else from GPT-2's head size of 64."""
+        name, path = PRESET_ALIASES.get(str(name_or_path), str(name_or_path)), Path(name_or_path)
         if name in PRESETS:
-            state_dict = _download_hf_state_dict(name)
-        elif Path(name_or_path).is_file():
-            state_dict = _read_state_dict_file(Path(name_or_path))
+            state_dict, n_head = _download_hf_state_dict(name), PRESETS[name]["n_head"]
+        elif path.is_file():
+            state_dict, config_file = _read_state_dict_file(path), path.parent / "config.json"
+            n_head = json.loads(config_file.read_text())["n_head"] if config_file.is_file() else None
         else:
-            raise ValueError(
-                f"{name_or_path!r} is neither a GPT-2 name ({', '.join([*PRESETS, *PRESET_ALIASES])}) "
-                "nor an existing state dict file"
-            )
+            raise ValueError(f"{name_or_path!r} is neither a GPT-2 name ({', '.join([*PRESETS, *PRESET_ALIASES])}) "
+                             "nor an existing state dict file")
         state_dict = _with_transformer_prefix(state_dict)
         vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
+        if n_head is None and n_embd % 64 != 0:
+            raise ValueError(f"cannot tell n_head for {path}: n_embd={n_embd} is not a multiple of GPT-2's head "
+                             "size 64; put the checkpoint's HF config.json beside it")
         n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
-        n_head = PRESETS[name]["n_head"] if name in PRESETS else _local_n_head(Path(name_or_path), n_embd)
         config = GPTConfig(block_size=state_dict["transformer.wpe.weight"].shape[0], vocab_size=vocab_size,
-                           n_layer=n_layer, n_head=n_head, n_embd=n_embd, attn=attn)
+                           n_layer=n_layer, n_head=n_head or n_embd // 64, n_embd=n_embd, attn=attn)
         model = cls(config)
         load_hf_state_dict(model, state_dict)
         return model
@@ -253,8 +247,8 @@ _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 def _with_transformer_prefix(state_dict: dict) -> dict:
-    """GPT2Model checkpoints (like OpenAI's original upload) name keys h.0..., GPT2LMHeadModel ones transformer.h.0..."""
-    return {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in state_dict.items()}
+    """GPT2Model checkpoints (as OpenAI's original upload) name keys h.0..., GPT2LMHeadModel's transformer.h.0..."""
+    return {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in state_dict.items()}
 
 
 def load_hf_state_dict(model: GPT, state_dict: dict) -> None:
@@ -265,19 +259,15 @@ def load_hf_state_dict(model: GPT, state_dict: dict) -> None:
     expected = set(ours) - {"lm_head.weight"}
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
-        raise ValueError(
-            f"state dict does not match the model: missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}; HF GPT-2 weights need GPTConfig(bias=True) and the checkpoint's n_layer"
-        )
+        raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}; HF GPT-2 weights need bias=True and the checkpoint's n_layer")
     with torch.no_grad():
         for key, weight in state_dict.items():
             if key.endswith(_CONV1D_WEIGHTS):
                 weight = weight.t()
             if weight.shape != ours[key].shape:
-                raise ValueError(
-                    f"{key}: checkpoint shape {tuple(weight.shape)} != model shape {tuple(ours[key].shape)}; "
-                    f"HF GPT-2 uses vocab_size={HF_VOCAB_SIZE} and block_size=1024"
-                )
+                raise ValueError(f"{key}: checkpoint shape {tuple(weight.shape)} != model shape "
+                                 f"{tuple(ours[key].shape)}; OpenAI's GPT-2 uses vocab_size=50257 and block_size=1024")
             ours[key].copy_(weight)
 
 
@@ -289,10 +279,8 @@ def _download_hf_state_dict(name: str) -> dict:
     try:
         return GPT2LMHeadModel.from_pretrained(name).state_dict()
     except OSError as e:
-        raise OSError(
-            f"could not fetch {name!r} from the Hugging Face Hub ({e}); when offline, download it elsewhere "
-            "and pass the path of its model.safetensors or pytorch_model.bin instead"
-        ) from e
+        raise OSError(f"could not fetch {name!r} from the Hugging Face Hub ({e}); when offline, download it "
+                      "elsewhere and pass the path of its model.safetensors or pytorch_model.bin instead") from e
 
 
 def _read_state_dict_file(path: Path) -> dict:
@@ -306,16 +294,3 @@ def _read_state_dict_file(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     raise ValueError(f"unsupported weights file {path}; expected .safetensors, .bin, .pt or .pth")
 
-
-def _local_n_head(path: Path, n_embd: int) -> int:
-    """Weight shapes do not reveal n_head: read it from the config.json that save_pretrained writes
-    beside the weights, else assume GPT-2's head size of 64."""
-    config_file = path.parent / "config.json"
-    if config_file.is_file():
-        return json.loads(config_file.read_text())["n_head"]
-    if n_embd % 64 != 0:
-        raise ValueError(
-            f"cannot tell n_head for {path}: n_embd={n_embd} is not a multiple of GPT-2's head size 64; "
-            "put the checkpoint's HF config.json beside it"
-        )
-    return n_embd // 64

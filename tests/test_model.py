@@ -51,6 +51,15 @@ def test_forward_shapes_and_initial_loss():
     assert abs(loss.item() - math.log(TINY["vocab_size"])) < 0.1
 
 
+def test_dropout_acts_in_training_only():
+    model = tiny_model(dropout=0.5)
+    idx = tokens()
+    model.train()
+    assert not torch.equal(model(idx)[0], model(idx)[0])
+    model.eval()
+    torch.testing.assert_close(model(idx)[0], tiny_model()(idx)[0])  # same seed, same weights, no dropout
+
+
 def test_residual_projections_get_scaled_init():
     model = GPT(GPTConfig(**{**TINY, "n_layer": 8, "n_embd": 256}))
     block = model.transformer.h[0]
@@ -96,7 +105,20 @@ def test_from_pretrained_local_file(tmp_path, file_name):
     torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_load_hf_state_dict_rejects_mismatches():
+def test_load_gpt2model_layout_with_mask_buffers():
+    # OpenAI's original upload: GPT2Model keys (no "transformer." prefix, no lm_head) plus causal-mask buffers
+    hf = random_hf_gpt2()
+    sd = {k.removeprefix("transformer."): v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    for i in range(TINY["n_layer"]):
+        sd[f"h.{i}.attn.bias"] = torch.ones(1, 1, TINY["block_size"], TINY["block_size"])
+        sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    model = tiny_model()
+    load_hf_state_dict(model, sd)
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_load_hf_state_dict_rejects_mismatches(tmp_path):
     sd = random_hf_gpt2().state_dict()
     with pytest.raises(ValueError, match="vocab_size=50257"):
         load_hf_state_dict(tiny_model(vocab_size=50304), sd)
@@ -104,6 +126,9 @@ def test_load_hf_state_dict_rejects_mismatches():
         load_hf_state_dict(tiny_model(bias=False), sd)
     with pytest.raises(ValueError, match="neither a GPT-2 name"):
         GPT.from_pretrained("no/such/file.bin")
+    torch.save(sd, tmp_path / "weights.pt")  # no config.json beside it and n_embd=32: n_head unknowable
+    with pytest.raises(ValueError, match="config.json"):
+        GPT.from_pretrained(str(tmp_path / "weights.pt"))
 
 
 BACKENDS = ["naive", "compile", "sdpa", pytest.param("triton", marks=pytest.mark.skipif(
@@ -172,6 +197,8 @@ def test_config_errors():
         GPTConfig(n_embd=100, n_head=12)
     with pytest.raises(ValueError, match="choose one of: .*naive"):
         GPTConfig(attn="flash9000")
+    with pytest.raises(ValueError, match="dropout"):
+        GPTConfig(dropout=1.0)
     with pytest.raises(ValueError, match="attention-probability dropout"):
         GPTConfig.preset("gpt2", attn_dropout=0.1)
     with pytest.raises(ValueError, match="unknown preset"):
