@@ -176,8 +176,8 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
-        # Decay matmul weights and embeddings (every 2-D tensor); biases and LayerNorm gains are
-        # 1-D and only shift or scale activations, so shrinking them towards 0 just hurts.
+        # Decay matmul weights and embeddings (every 2-D tensor). Biases and LayerNorm gains (1-D)
+        # are few and only shift or scale activations: pulling gains towards 0 would not regularise.
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
