@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from attention import attention
 from benchmarks.attention_report import write_report
-from benchmarks.report import environment, slug, write_json
+from benchmarks.report import environment, parse_bool, slug, write_json
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 # The backward pass does 5 matmuls of the forward's size (S recomputed, dV, dP, dQ, dK) against the
@@ -317,14 +317,6 @@ def default_out_dir(device: torch.device) -> Path:
 
 def comma_list(cast):
     return lambda text: [cast(item) for item in text.split(",") if item]
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def parse_args(argv=None):

@@ -50,6 +50,15 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def parse_bool(text: str) -> bool:
+    """true/false/1/0 for command-line flags, as train.py takes them."""
+    if text.lower() in ("true", "1"):
+        return True
+    if text.lower() in ("false", "0"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
 def fmt(x, digits: int = 3) -> str:
     """Three significant figures, no exponent for large numbers; '-' for a missing value.
     Tests compare table cells to the JSON through this same function."""

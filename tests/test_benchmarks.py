@@ -1,0 +1,203 @@
+"""The benchmarks at toy sizes on CPU: the kernel sweep and its report, and the training comparison's
+analysis (on synthetic metrics) and, when train.py is there, one real comparison run."""
+import csv
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import attention as bench
+from benchmarks import compare, compare_report
+from benchmarks.attention_report import write_report
+from benchmarks.report import fmt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def markdown_section(md: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the table under `## heading`."""
+    lines = md.split(f"## {heading}\n", 1)[1].lstrip("\n").splitlines()
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in itertools.takewhile(lambda l: l.startswith("|"), lines)]
+    return table[0], table[2:]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel benchmark
+
+
+def test_flop_count_halves_for_causal_and_scales_backward():
+    full = bench.attention_flops(2, 3, 128, 64, causal=False, pass_="fwd")
+    assert full == 4 * 2 * 3 * 128 * 128 * 64
+    assert bench.attention_flops(2, 3, 128, 64, causal=True, pass_="fwd") == full / 2
+    assert bench.attention_flops(2, 3, 128, 64, causal=False, pass_="bwd") == 2.5 * full
+    assert bench.attention_flops(2, 3, 128, 64, causal=True, pass_="fwd+bwd") == 3.5 * full / 2
+
+
+def test_grid_keeps_tokens_and_width_fixed_and_rejects_uneven_sizes():
+    shapes = bench.grid_shapes([1024, 16384], [64, 128], [True], tokens=16384, width=2048)
+    assert [(s.B, s.nh, s.T, s.hs) for s in shapes] == [(16, 32, 1024, 64), (1, 32, 16384, 64), (16, 16, 1024, 128), (1, 16, 16384, 128)]
+    with pytest.raises(ValueError, match="not a multiple of T=3000"):
+        bench.grid_shapes([3000], [64], [True], tokens=16384, width=2048)
+    with pytest.raises(ValueError, match="head dim 96"):
+        bench.grid_shapes([1024], [96], [True], tokens=16384, width=2048)
+
+
+def test_naive_skip_estimates_the_score_matrix_against_free_memory():
+    shape = bench.Shape(B=1, nh=32, T=16384, hs=64, causal=True, group="grid")
+    scores = 32 * 16384 * 16384  # 8.6e9 elements; naive needs ~16 bytes each in bf16
+    reason = bench.score_memory_skip_reason("naive", shape, itemsize=2, free_bytes=100 * 2**30)
+    assert reason.startswith("skipped: the T^2 score matrix needs ~128 GiB, 100 GiB free")
+    assert bench.score_memory_skip_reason("naive", shape, itemsize=2, free_bytes=scores * 16) is None
+    # compile fuses the fp32 softmax chain, so it fits where naive does not
+    assert bench.score_memory_skip_reason("compile", shape, itemsize=2, free_bytes=100 * 2**30) is None
+    assert bench.score_memory_skip_reason("sdpa", shape, itemsize=2, free_bytes=1) is None  # flash: no T^2 memory
+    assert bench.score_memory_skip_reason("naive", shape, itemsize=2, free_bytes=None) is None  # CPU: not checked
+
+
+def run_sweep(tmp_path, *extra) -> tuple[Path, dict]:
+    out = bench.main(["--device", "cpu", "--rep_ms", "1", "--out_dir", str(tmp_path), *extra])
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_cpu_sweep_writes_every_output_and_records_rejected_backends(tmp_path):
+    out, results = run_sweep(tmp_path, "--backends", "naive,sdpa,sdpa-efficient", "--seq_lens", "32,64",
+                             "--head_dims", "16", "--causal", "true")
+    rows = results["rows"]
+    assert len(rows) == 3 * 2 * 3  # backends x shapes x passes
+    assert results["env"]["device"] == "cpu" and "perf_counter" in results["settings"]["timer"]
+    for r in rows:
+        if r["backend"] == "sdpa-efficient":  # no CPU kernel: PyTorch raises, the sweep records it
+            assert r["status"].startswith("error: RuntimeError") and r["ms"] is None
+        else:
+            assert r["status"] == "ok" and r["ms"] > 0 and r["peak_mem_gib"] is None
+            flops = bench.attention_flops(r["B"], r["nh"], r["T"], r["hs"], r["causal"], r["pass"])
+            assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
+    for name in ("results.csv", "results.md", "tflops_fwd.png", "tflops_bwd.png", "tflops_fwd_bwd.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "memory.png").exists()  # no memory numbers on CPU
+    with open(out / "results.csv") as f:
+        assert [r["status"] for r in csv.DictReader(f)] == [r["status"] for r in rows]
+
+    md = (out / "results.md").read_text()
+    by_key = {(r["backend"], r["T"], r["pass"]): r for r in rows}
+    for pass_, title in (("fwd", "Forward"), ("fwd+bwd", "Forward + backward")):
+        for key, unit in (("tflops", "TFLOP/s"), ("ms", "ms")):
+            header, table = markdown_section(md, f"{title}: {unit}")
+            assert header == ["B", "nh", "T", "hs", "causal", "naive", "sdpa", "sdpa-efficient"]
+            assert len(table) == 2
+            for row in table:
+                for backend, text in zip(header[5:], row[5:]):
+                    r = by_key[(backend, int(row[2]), pass_)]
+                    assert text == ("error" if r["status"] != "ok" else fmt(r[key]))
+    assert "sdpa-efficient at B=4 nh=4 T=32 hs=16 causal=True; B=2 nh=4 T=64 hs=16 causal=True: error: RuntimeError" in md
+
+    # the report is made from results.json alone: redrawing it gives the same document
+    for path in out.iterdir():
+        if path.name != "results.json":
+            path.unlink()
+    write_report(out)
+    assert (out / "results.md").read_text() == md and (out / "tflops_fwd.png").exists()
+
+
+def test_sweep_records_a_skip_and_resumes_without_remeasuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "free_memory_bytes", lambda device: 1024)  # pretend the device is full
+    args = ("--backends", "naive,sdpa", "--seq_lens", "32", "--head_dims", "16", "--causal", "false", "--passes", "fwd")
+    _, results = run_sweep(tmp_path, *args)
+    status = {r["backend"]: r["status"] for r in results["rows"]}
+    assert status["naive"].startswith("skipped: the T^2 score matrix needs") and status["sdpa"] == "ok"
+
+    _, resumed = run_sweep(tmp_path, *args, "--resume", "--passes", "fwd,bwd")
+    assert resumed["rows"][:2] == results["rows"]  # the cells already measured are kept as they were
+    assert [(r["backend"], r["pass"]) for r in resumed["rows"][2:]] == [("naive", "bwd"), ("sdpa", "bwd")]
+
+
+@pytest.mark.slow
+def test_compiled_backend_recompiles_cleanly_across_shapes(tmp_path):
+    # three sequence lengths: without the per-shape Dynamo reset the third would compile dynamic shapes
+    _, results = run_sweep(tmp_path, "--backends", "compile", "--seq_lens", "16,32,64", "--head_dims", "16",
+                           "--causal", "true", "--passes", "fwd+bwd", "--tokens", "64", "--width", "16")
+    assert [r["status"] for r in results["rows"]] == ["ok"] * 3
+
+
+@pytest.mark.skipif(not (REPO / "attention" / "triton_op.py").exists(), reason="the Triton kernel is not written yet")
+def test_triton_kernel_runs_in_the_sweep_under_the_interpreter(tmp_path):
+    _, results = run_sweep(tmp_path, "--backends", "triton,sdpa", "--seq_lens", "16", "--head_dims", "16",
+                           "--causal", "true", "--tokens", "16", "--width", "16")
+    assert [r["status"] for r in results["rows"]] == ["ok"] * 6
+
+
+def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):
+    def row(backend, T, pass_, ms, mem=None, status="ok"):
+        ok = status == "ok"
+        return {"backend": backend, "B": 16384 // T, "nh": 32, "T": T, "hs": 64, "causal": True, "group": "grid",
+                "pass": pass_, "ms": ms if ok else None, "tflops": 1.0 / ms if ok else None,
+                "peak_mem_gib": mem if ok else None, "status": status}
+
+    rows = [
+        row("naive", 1024, "fwd+bwd", 8.0, mem=4.0), row("naive", 4096, "fwd+bwd", None, status="skipped: too big"),
+        row("sdpa", 1024, "fwd+bwd", 2.0, mem=0.5), row("sdpa", 4096, "fwd+bwd", 6.0, mem=0.5),
+        row("triton", 1024, "fwd+bwd", 1.6, mem=0.4), row("triton", 4096, "fwd+bwd", 5.0, mem=0.4),
+    ]
+    env = {"device": "cuda", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8", "torch": "2.11", "triton": "3.6",
+           "date": "2026-01-01", "platform": "Linux"}
+    settings = {k: "x" for k in ("timer", "memory", "flops", "compile")} | {"dtype": "bf16", "rep_ms": 100, "passes": ["fwd+bwd"]}
+    (tmp_path / "results.json").write_text(json.dumps({"env": env, "settings": settings, "rows": rows}))
+    write_report(tmp_path)
+
+    md = (tmp_path / "results.md").read_text()
+    header, speedups = markdown_section(md, "Forward + backward: triton speed-up (backend's time / triton's time)")
+    assert header[5:] == ["vs naive", "vs sdpa"]
+    assert speedups[0][5:] == [fmt(8.0 / 1.6), fmt(2.0 / 1.6)] and speedups[1][5:] == ["-", fmt(6.0 / 5.0)]
+    header, memory = markdown_section(md, "Peak memory of forward + backward, GiB beyond the inputs")
+    assert memory[0][5:] == ["4", "0.5", "0.4"] and memory[1][5:] == ["skip", "0.5", "0.4"]
+    assert "naive at B=4 nh=32 T=4096 hs=64 causal=True: skipped: too big" in md
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "tflops_fwd_bwd.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# training comparison
+
+
+def write_run(folder: Path, losses, step_ms, val=None, returncode=0, repeat_step=None):
+    folder.mkdir(parents=True)
+    lines = []
+    for step, (loss, ms) in enumerate(zip(losses, step_ms)):
+        lines.append({"step": step, "train_loss": loss, "lr": 1e-3, "grad_norm": 1.0, "step_ms": ms,
+                      "tokens_per_s": 1000.0 / ms, "mfu": None, "peak_mem_gb": None, "attn": folder.name})
+    if repeat_step is not None:  # a stale record of a step logged again later (a resume): the later one counts
+        lines.insert(repeat_step, {**lines[repeat_step], "train_loss": 99.0})
+    for step, loss in (val or {}).items():
+        lines.append({"step": step, "val_loss": loss, "attn": folder.name})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "run.json").write_text(json.dumps({"backend": folder.name, "group": "g", "train_args": ["c.py"],
+                                                 "returncode": returncode, "env": {"torch": "2.13"}}))
+
+
+def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
+    write_run(tmp_path / "sdpa", [5.0, 4.0, 3.0, 2.5, 2.0], [900, 100, 100, 110, 90], val={4: 2.10})
+    write_run(tmp_path / "triton", [5.0, 4.01, 2.97, 2.52, 2.0], [2000, 50, 50, 60, 40], val={4: 2.15}, repeat_step=2)
+    write_run(tmp_path / "naive", [5.0, 4.0, 3.0, 2.5, 2.0], [800, 200, 200, 220, 180])
+    (tmp_path / "compile").mkdir()
+    (tmp_path / "compile" / "run.json").write_text(json.dumps({"returncode": 1}))
+
+    summary = compare_report.write_report(tmp_path, reference="sdpa", skip_steps=1)
+    b = summary["backends"]
+    assert list(b) == ["compile", "naive", "sdpa", "triton"]
+    assert b["triton"]["max_abs_train_diff"] == pytest.approx(0.03)
+    assert b["triton"]["max_abs_val_diff"] == pytest.approx(0.05)
+    assert b["naive"]["max_abs_train_diff"] == 0.0 and b["naive"]["max_abs_val_diff"] is None
+    # step 0 (compilation, warm-up) is dropped: medians of the 4 later steps
+    assert b["triton"]["median_step_ms"] == 50 and b["sdpa"]["median_step_ms"] == 100 and b["naive"]["median_step_ms"] == 200
+    assert b["triton"]["speedup_vs_naive"] == 4.0 and b["sdpa"]["speedup_vs_naive"] == 2.0
+    assert b["triton"]["median_tokens_per_s"] == 20.0 and b["triton"]["median_mfu"] is None
+    assert b["compile"]["status"].startswith("failed: train.py exited with 1") and b["compile"]["median_step_ms"] is None
+
+    assert json.loads((tmp_path / "comparison.json").read_text()) == summary
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per backend")
+    for row in rows:
+        for column, text in zip(header[1:], row[1:]):
+            key, scale = next((key, scale) for h, key, scale in compare_report.COLUMNS + [("status", "status", None)] if h == column)
+            value = b[row[0]][key]
+            assert text == (value if scale is None else fmt(value * scale if value is not None else None)), (row[0], column)
