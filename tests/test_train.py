@@ -1,0 +1,252 @@
+"""train.py on the CPU with a tiny model: learning, exact resume, DDP, checkpoints, signals, bad input.
+
+Most runs call train() in-process (a few hundred ms each); the CLI, torchrun and SIGTERM tests start
+real processes because the process boundary is what they test.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.config import ConfigError, TrainConfig, parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 64
+# tiny: 2 layers, 2 heads of 16 channels, 16-token context, 4 sequences per batch
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, batch_size=4, device="cpu",
+            wandb=False, sample_interval=0, eval_interval=0, eval_iters=2, log_interval=1,
+            checkpoint_interval=0, warmup_steps=2, learning_rate=1e-2, min_lr=1e-3, seed=0)
+TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_gb", "attn", "warmup"}
+VAL_KEYS = {"step", "val_loss", "attn"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Shards in the data package's format: a repeating 40-token phrase with 10% random tokens,
+    learnable enough for the loss to fall within a few steps."""
+    folder = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    phrase = rng.integers(0, VOCAB, 40)
+    for split, n_tokens in (("train", 20_000), ("val", 4_000)):
+        tokens = np.resize(phrase, n_tokens)
+        noise = rng.random(n_tokens) < 0.1
+        tokens[noise] = rng.integers(0, VOCAB, noise.sum())
+        np.save(folder / f"{split}_000000.npy", tokens.astype(np.uint16))
+    return str(folder)
+
+
+def tiny_config(out_dir, data_dir, **overrides) -> TrainConfig:
+    return TrainConfig(**{**TINY, "out_dir": str(out_dir), "data_dir": data_dir, **overrides})
+
+
+def read_metrics(out_dir) -> tuple[list[dict], list[dict]]:
+    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    return [r for r in records if "train_loss" in r], [r for r in records if "val_loss" in r]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("step_ms", "tokens_per_s", "warmup")} for r in records]
+
+
+def run_cli(*args, timeout=120, **popen_kwargs):
+    # CUDA_VISIBLE_DEVICES="": the subprocess must take the CPU path even on a GPU machine
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, **popen_kwargs)
+
+
+def cli_flags(**settings) -> list[str]:
+    return [f"--{k}={v}" for k, v in settings.items()]
+
+
+def test_a_few_steps_lower_the_loss(tmp_path, data_dir):
+    train.train(tiny_config(tmp_path, data_dir, max_steps=30, eval_interval=15))
+    records, vals = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(30))
+    first, last = records[0]["train_loss"], np.mean([r["train_loss"] for r in records[-5:]])
+    assert first == pytest.approx(np.log(VOCAB), abs=0.3)  # small init: near-uniform predictions
+    assert last < first - 1.0
+    assert [v["step"] for v in vals] == [0, 15, 30] and vals[-1]["val_loss"] < vals[0]["val_loss"] - 1.0
+
+
+def test_metrics_jsonl_has_the_documented_keys(tmp_path, data_dir):
+    train.train(tiny_config(tmp_path, data_dir, max_steps=5, eval_interval=2, log_interval=2, attn="naive"))
+    records, vals = read_metrics(tmp_path)
+    assert all(set(r) == TRAIN_KEYS for r in records) and all(set(v) == VAL_KEYS for v in vals)
+    assert [r["step"] for r in records] == [0, 2, 4]  # every log_interval steps, and the last
+    assert [v["step"] for v in vals] == [0, 2, 4, 5]  # every eval_interval steps, and after the last
+    assert [r["warmup"] for r in records] == [True, True, False]
+    for r in records:
+        assert r["attn"] == "naive" and r["mfu"] is None and r["peak_mem_gb"] is None  # CPU: no peak known
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(4 * 16 / (r["step_ms"] / 1000))
+        assert r["grad_norm"] > 0 and r["lr"] == train.lr_at(r["step"], tiny_config(tmp_path, data_dir, max_steps=5))
+
+
+def test_resume_gives_bit_identical_losses(tmp_path, data_dir):
+    # dropout and gradient accumulation on, so the RNG state and the data position both matter
+    settings = dict(dropout=0.1, total_batch_size=2 * 4 * 16, eval_interval=3, lr_decay_steps=8)
+    train.train(tiny_config(tmp_path / "straight", data_dir, max_steps=8, **settings))
+    train.train(tiny_config(tmp_path / "split", data_dir, max_steps=4, **settings))
+    assert load_checkpoint(tmp_path / "split" / "ckpt.pt")["step"] == 4
+    train.train(tiny_config(tmp_path / "split", data_dir, max_steps=8, resume=True, **settings))
+
+    straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    assert without_timing(split[0]) == without_timing(straight[0])  # train records: exact float equality
+    assert split[1] == straight[1] and [v["step"] for v in split[1]] == [0, 3, 6, 8]
+    weights = [load_checkpoint(tmp_path / run / "ckpt.pt")["model"] for run in ("straight", "split")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
+    train.train(tiny_config(tmp_path / "big", data_dir, max_steps=4))
+    train.train(tiny_config(tmp_path / "accum", data_dir, max_steps=4, batch_size=2, total_batch_size=4 * 16))
+    big, accum = read_metrics(tmp_path / "big")[0], read_metrics(tmp_path / "accum")[0]
+    np.testing.assert_allclose([r["train_loss"] for r in accum], [r["train_loss"] for r in big], rtol=1e-5)
+
+
+def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
+    # same global batch: 2 ranks x 2 sequences here, 1 process x 4 sequences below
+    settings = {**TINY, "max_steps": 4, "eval_interval": 2, "data_dir": data_dir}
+    result = run_cli("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                     *cli_flags(**{**settings, "batch_size": 2, "out_dir": tmp_path / "ddp"}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    train.train(tiny_config(tmp_path / "single", data_dir, max_steps=4, eval_interval=2))
+    (ddp, ddp_val), (single, single_val) = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "single")
+    assert [r["step"] for r in ddp] == [0, 1, 2, 3]
+    assert ddp[0]["tokens_per_s"] == pytest.approx(4 * 16 / (ddp[0]["step_ms"] / 1000))  # global tokens
+    np.testing.assert_allclose([r["train_loss"] for r in ddp], [r["train_loss"] for r in single], rtol=1e-5)
+    np.testing.assert_allclose([v["val_loss"] for v in ddp_val], [v["val_loss"] for v in single_val], rtol=1e-5)
+    assert len(load_checkpoint(tmp_path / "ddp" / "ckpt.pt")["rng"]) == 2  # one RNG state per rank
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt.pt")
+    save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+
+    def save_half_then_fail(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    state = load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["ckpt.pt"]  # the temporary file is gone too
+
+
+def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path})
+    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 90
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout
+    checkpoint = load_checkpoint(tmp_path / "ckpt.pt")
+    last_logged = read_metrics(tmp_path)[0][-1]["step"]
+    assert checkpoint["step"] == last_logged + 1  # saved after the step it was in, not mid-step
+    assert not (tmp_path / "ckpt.pt.tmp").exists()
+
+
+def test_lr_schedule_warmup_peak_and_end():
+    cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    assert train.lr_at(0, cfg) == pytest.approx(1e-4)  # 1/10 of the peak: never 0
+    assert train.lr_at(4, cfg) == pytest.approx(5e-4)
+    assert train.lr_at(9, cfg) == pytest.approx(1e-3) == train.lr_at(10, cfg)  # the peak
+    assert train.lr_at(60, cfg) == pytest.approx((1e-3 + 1e-4) / 2)  # half way down the cosine
+    assert train.lr_at(110, cfg) == pytest.approx(1e-4) == train.lr_at(500, cfg)  # min_lr from the end on
+    decay = [train.lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    short = TrainConfig(learning_rate=1e-3, min_lr=0.0, warmup_steps=0, max_steps=100, lr_decay_steps=50)
+    assert train.lr_at(0, short) == 1e-3 and train.lr_at(50, short) == 0.0 == train.lr_at(99, short)
+
+
+def test_flags_and_config_files_apply_left_to_right(tmp_path):
+    config = tmp_path / "cfg.py"
+    config.write_text("import math\n_exponent = 3\nbatch_size = 2 ** _exponent\nlearning_rate = 1\ncompile = True\n")
+    cfg = parse_args([str(config), "--compile=0", "--wandb=FALSE", "--resume", "--dropout=0.25", "--attn=naive"])
+    assert (cfg.batch_size, cfg.compile, cfg.wandb, cfg.resume, cfg.dropout, cfg.attn) == (8, False, False, True, 0.25, "naive")
+    assert isinstance(cfg.learning_rate, float) and cfg.learning_rate == 1.0  # an int in a float field is widened
+    assert parse_args(["--batch_size=2", str(config)]).batch_size == 8  # the file came last: it wins
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batchsize=8"], "unknown setting 'batchsize'"),
+    (["--batch_size=eight"], "--batch_size takes an int, got 'eight'"),
+    (["--learning_rate=fast"], "--learning_rate takes a float"),
+    (["--compile=yes"], "--compile takes true/false/1/0"),
+    (["--batch_size"], "--batch_size needs a value"),
+    (["--attn=flashy"], "unknown attn='flashy'; choose one of: compile, naive, sdpa"),
+    (["--batch_size=3", "--block_size=16", "--total_batch_size=100"], "total_batch_size=100 is not a multiple of"),
+    (["--n_layer=2", "--n_head=3", "--n_embd=32"], "n_embd=32 is not divisible by n_head=3"),
+    (["--model=gpt5"], "unknown preset 'gpt5'"),
+    (["--dtype=fp8"], "unknown dtype='fp8'"),
+    (["--device=tpu"], "unknown device='tpu'"),
+    (["--max_steps=0"], "max_steps must be at least 1"),
+    (["--warmup_steps=50", "--max_steps=10"], "warmup_steps=50 is past the end of the decay"),
+    (["--min_lr=1e-2", "--learning_rate=1e-3"], "need 0 <= min_lr <= learning_rate"),
+    (["--beta2=1.5"], "beta2 must be in [0, 1)"),
+    (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),
+])
+def test_bad_settings_name_the_problem(argv, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert message in str(err.value)
+
+
+def test_bad_config_file_names_the_key(tmp_path):
+    config = tmp_path / "cfg.py"
+    config.write_text("batch_sise = 8\n")
+    with pytest.raises(ConfigError, match=rf"unknown setting 'batch_sise' in {config}"):
+        parse_args([str(config)])
+    config.write_text("batch_size = '8'\n")
+    with pytest.raises(ConfigError, match="batch_size must be int, got str '8'"):
+        parse_args([str(config)])
+
+
+def test_wandb_requested_but_missing_says_how_to_turn_it_off(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now fails as if not installed
+    with pytest.raises(ConfigError, match="pip install wandb, or pass --wandb=false"):
+        parse_args(["--wandb=true"])
+    assert parse_args(["--wandb=false"]).wandb is False
+
+
+def test_batch_that_does_not_split_over_ranks_is_an_error():
+    cfg = TrainConfig(batch_size=4, block_size=16, total_batch_size=2 * 4 * 16)
+    assert cfg.grad_accum_steps(1) == 2 and cfg.grad_accum_steps(2) == 1
+    with pytest.raises(ConfigError, match=r"batch_size \* block_size \* world_size = 4 \* 16 \* 4 = 256"):
+        cfg.grad_accum_steps(4)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(resume=True), "no checkpoint at"),
+    (dict(data_dir="/no/such/folder"), "data_dir '/no/such/folder' does not exist"),
+    (dict(block_size=16, batch_size=2000), "fewer than one batch needs"),
+    (dict(sample_interval=5, sample_prompt="a long prompt"), "holds token ids >= vocab_size=64"),
+])
+def test_bad_runs_fail_before_training(tmp_path, data_dir, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        train.train(tiny_config(tmp_path, **{"data_dir": data_dir, **overrides}))
+
+
+def test_cli_prints_the_error_without_a_traceback():
+    result = run_cli("train.py", "--attn=flashy", "--device=cpu", timeout=60)
+    assert result.returncode != 0
+    assert "train.py: error: unknown attn='flashy'" in result.stderr and "Traceback" not in result.stderr

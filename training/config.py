@@ -1,0 +1,204 @@
+"""TrainConfig: every training setting with its default, and the command line that fills it.
+
+    python train.py [config.py ...] [--key=value ...]
+
+A config file is Python that assigns fields (`batch_size = 16`); files and flags apply left to right,
+so flags after a file override it. Every value is checked against its field's type here, so a typo
+fails in the first second of a run instead of after an hour of training.
+"""
+import importlib.util
+import os
+from dataclasses import dataclass, fields
+from types import ModuleType
+
+from attention import available_backends
+from model import GPTConfig
+
+
+class ConfigError(ValueError):
+    """A bad setting; train.py prints it without a traceback."""
+
+
+@dataclass
+class TrainConfig:
+    # data and output
+    data_dir: str = "data/shakespeare"  # folder of {split}_{index:06d}.npy token shards (python -m data.<name>)
+    out_dir: str = "out"  # ckpt.pt, metrics.jsonl, samples.txt and the wandb folder go here
+    resume: bool = False  # continue from {out_dir}/ckpt.pt: same weights, optimizer, data position and RNG
+    init_from: str = "scratch"  # "scratch", or GPT-2 weights for GPT.from_pretrained (gpt2, 124M, a file...)
+    # model (ignored by init_from, which brings its own shape)
+    model: str = "gpt2"  # GPTConfig preset: gpt2|124M, gpt2-medium|350M, gpt2-large|774M, gpt2-xl|1.5B
+    n_layer: int = 0  # 0 keeps the preset's value; anything else overrides it
+    n_head: int = 0
+    n_embd: int = 0
+    block_size: int = 1024  # context length, and the length T of every training sequence
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
+    dropout: float = 0.0
+    bias: bool = True
+    attn: str = "sdpa"  # attention backend: one of attention.available_backends()
+    # batch: total_batch_size = batch_size * block_size * grad_accum_steps * world_size
+    batch_size: int = 16  # micro-batch B per process
+    total_batch_size: int = 0  # tokens per optimizer step; 0 means one micro-batch per process (no accumulation)
+    # optimizer and learning-rate schedule: linear warmup, then cosine decay to min_lr
+    max_steps: int = 1000  # optimizer steps
+    learning_rate: float = 6e-4  # the peak, reached at the end of warmup
+    min_lr: float = 6e-5
+    warmup_steps: int = 100
+    lr_decay_steps: int = 0  # the step where the cosine reaches min_lr; 0 means max_steps
+    weight_decay: float = 0.1  # on 2-D weights only (see GPT.configure_optimizers)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off (the norm is still logged)
+    # evaluation, samples and checkpoints; an interval of 0 turns the periodic action off
+    eval_interval: int = 250  # steps between val-loss evaluations (also run at the last step)
+    eval_iters: int = 20  # val batches per evaluation, per process
+    sample_interval: int = 500  # steps between text samples (also at the last step)
+    sample_tokens: int = 64
+    sample_prompt: str = "\n"
+    checkpoint_interval: int = 500  # also saved at the end and on SIGINT/SIGTERM
+    # logging
+    log_interval: int = 10  # steps between metrics.jsonl/wandb/console records (the progress bar shows every step)
+    wandb: bool = True
+    wandb_project: str = "nanoflash"
+    wandb_group: str = ""
+    wandb_run_name: str = ""  # "" names the run {model}-{attn}
+    # system
+    device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (cuda: bfloat16 if supported, else float16; cpu: float32), float32, bfloat16, float16
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+
+    def __post_init__(self):
+        for f in fields(self):
+            setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
+        self._check_values()
+
+    def _check_values(self):
+        positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval", "sample_tokens")
+        non_negative = ("n_layer", "n_head", "n_embd", "total_batch_size", "warmup_steps", "lr_decay_steps",
+                        "eval_interval", "sample_interval", "checkpoint_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in non_negative + ("weight_decay", "grad_clip", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.learning_rate or self.min_lr > self.learning_rate:
+            raise ConfigError(f"need 0 <= min_lr <= learning_rate and learning_rate > 0, "
+                              f"got min_lr={self.min_lr}, learning_rate={self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps > self.decay_steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} is past the end of the decay at step "
+                              f"{self.decay_steps} (lr_decay_steps, or max_steps when it is 0); shorten the warmup")
+        tokens_per_micro_batch = self.batch_size * self.block_size
+        if self.total_batch_size % tokens_per_micro_batch:
+            raise ConfigError(
+                f"total_batch_size={self.total_batch_size} is not a multiple of batch_size * block_size = "
+                f"{self.batch_size} * {self.block_size} = {tokens_per_micro_batch}; pick a total that is "
+                "(or 0 for no gradient accumulation)")
+        if self.attn not in available_backends():
+            raise ConfigError(f"unknown attn={self.attn!r}; choose one of: {', '.join(available_backends())}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
+        if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            raise ConfigError(f"unknown device={self.device!r}; choose one of: auto, cpu, cuda, cuda:N")
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("wandb=true but the wandb package is not installed: pip install wandb, or pass --wandb=false")
+        if self.init_from == "scratch":
+            self.gpt_config()  # GPTConfig checks the model shape (n_embd divisible by n_head, ...)
+
+    @property
+    def decay_steps(self) -> int:
+        return self.lr_decay_steps or self.max_steps
+
+    def gpt_config(self) -> GPTConfig:
+        sizes = {name: getattr(self, name) for name in ("n_layer", "n_head", "n_embd") if getattr(self, name)}
+        try:
+            return GPTConfig.preset(self.model, **sizes, block_size=self.block_size, vocab_size=self.vocab_size,
+                                    dropout=self.dropout, bias=self.bias, attn=self.attn)
+        except ValueError as err:
+            raise ConfigError(f"model: {err}") from None
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step for each of world_size processes."""
+        per_step = self.batch_size * self.block_size * world_size
+        if not self.total_batch_size:
+            return 1
+        if self.total_batch_size % per_step:
+            raise ConfigError(
+                f"total_batch_size={self.total_batch_size} is not a multiple of batch_size * block_size * "
+                f"world_size = {self.batch_size} * {self.block_size} * {world_size} = {per_step}; "
+                "change total_batch_size, batch_size or the number of processes")
+        return self.total_batch_size // per_step
+
+
+def _is_cuda_index(device: str) -> bool:
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and index.isdigit()
+
+
+def _checked_type(name: str, kind: type, value):
+    # bool is an int subclass in Python, so `True` must not pass for an int field (nor 1 for a bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_flag_value(name: str, kind: type, text: str):
+    if kind is bool:
+        if text.lower() in ("true", "1"):
+            return True
+        if text.lower() in ("false", "0"):
+            return False
+        raise ConfigError(f"--{name} takes true/false/1/0, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{name} takes {'an' if kind is int else 'a'} {kind.__name__}, got {text!r}") from None
+
+
+def _field_types() -> dict[str, type]:
+    return {f.name: f.type for f in fields(TrainConfig)}
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    return ConfigError(f"unknown setting {key!r} in {where}; valid settings: {', '.join(_field_types())}")
+
+
+def read_config_file(path: str) -> dict:
+    """The fields a Python config file assigns. Names starting with _ and imported modules are its own helpers."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found; pass an existing .py file such as configs/smoke_cpu.py")
+    with open(path) as f:
+        source = f.read()
+    namespace: dict = {}
+    exec(compile(source, path, "exec"), namespace)
+    values = {k: v for k, v in namespace.items() if not k.startswith("_") and not isinstance(v, ModuleType)}
+    types = _field_types()
+    for key in values:
+        if key not in types:
+            raise _unknown_key(key, path)
+    return values
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """TrainConfig from config files and --key=value flags, applied in the order given."""
+    types = _field_types()
+    values = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            values.update(read_config_file(arg))
+            continue
+        key, has_value, text = arg[2:].partition("=")
+        if key not in types:
+            raise _unknown_key(key, f"the flag {arg!r}")
+        if not has_value:
+            if types[key] is not bool:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            text = "true"  # a bare --compile means --compile=true
+        values[key] = _parse_flag_value(key, types[key], text)
+    return TrainConfig(**values)

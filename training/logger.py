@@ -1,0 +1,122 @@
+"""Where a run's numbers go: {out_dir}/metrics.jsonl (one JSON object per line, the format the
+benchmarks parse), Weights & Biases, and the console."""
+import html
+import json
+import netrc
+import os
+from dataclasses import asdict
+from urllib.parse import urlparse
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peak in FLOP/s, matched as a substring of the lower-cased
+# torch.cuda.get_device_name(); the first match wins, so a name that contains another comes first.
+PEAK_BF16_FLOPS = [
+    ("h100 pcie", 756e12), ("h100 nvl", 835e12), ("h100", 989e12), ("h200", 989e12), ("b200", 2250e12),
+    ("a100", 312e12), ("l40s", 362e12), ("l40", 181e12), ("l4", 121e12), ("a10g", 70e12), ("a10", 125e12),
+    ("a6000", 155e12), ("4090", 165e12), ("3090", 71e12),
+]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The GPU's bf16 peak, or None (CPU, or a GPU missing from the table) so MFU goes unreported
+    rather than wrong."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def wandb_has_api_key() -> bool:
+    """True when wandb could reach its server: WANDB_API_KEY is set, or `wandb login` left a key in ~/.netrc."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def format_step(record: dict, max_steps: int) -> str:
+    line = (f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {record['train_loss']:.4f} | "
+            f"lr {record['lr']:.2e} | norm {record['grad_norm']:.3f} | {record['step_ms']:.1f} ms | "
+            f"{record['tokens_per_s']:,.0f} tok/s")
+    if record["mfu"] is not None:
+        line += f" | mfu {100 * record['mfu']:.1f}%"
+    if record["peak_mem_gb"] is not None:
+        line += f" | mem {record['peak_mem_gb']:.1f} GB"
+    return line
+
+
+class RunLogger:
+    """Rank 0's record of a run. A fresh run starts metrics.jsonl anew; a resumed one keeps the
+    records before the checkpoint's step and drops later ones, which the crashed run wrote after its
+    last save and the resumed run will write again, so the file always holds one unbroken curve."""
+
+    def __init__(self, cfg, start_step: int, wandb_run_id: str | None):
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        kept = self._records_before(start_step) if cfg.resume else []
+        self.metrics = open(self.metrics_path, "w")
+        self.metrics.writelines(kept)
+        self.metrics.flush()
+        self.samples = open(os.path.join(cfg.out_dir, "samples.txt"), "a" if cfg.resume else "w")
+        self.wandb_run = self._start_wandb(cfg, wandb_run_id) if cfg.wandb else None
+
+    def _records_before(self, step: int) -> list[str]:
+        if not os.path.isfile(self.metrics_path):
+            return []
+        with open(self.metrics_path) as f:
+            return [line for line in f if line.strip() and json.loads(line)["step"] < step]
+
+    @staticmethod
+    def _start_wandb(cfg, run_id: str | None):
+        import wandb
+
+        # wandb.init asks for a key interactively (or fails) without one; offline it logs to disk
+        mode = None if wandb_has_api_key() or "WANDB_MODE" in os.environ else "offline"
+        if mode == "offline":
+            print(f"wandb: no API key found (WANDB_API_KEY or `wandb login`), logging offline under "
+                  f"{cfg.out_dir}/wandb; upload later with `wandb sync {cfg.out_dir}/wandb/offline-run-*`")
+        # reusing the checkpoint's run id makes a resumed run continue the same wandb curves
+        return wandb.init(project=cfg.wandb_project, group=cfg.wandb_group or None,
+                          name=cfg.wandb_run_name or f"{cfg.model}-{cfg.attn}", config=asdict(cfg),
+                          dir=cfg.out_dir, id=run_id, resume="allow" if run_id else None, mode=mode)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run else None
+
+    def _write(self, record: dict) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()  # a crash must not eat the lines before it
+
+    def log_train(self, record: dict) -> None:
+        """record: step, train_loss, lr, grad_norm, step_ms, tokens_per_s, mfu, peak_mem_gb, attn, warmup."""
+        self._write(record)
+        if self.wandb_run:
+            names = {"train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                     "step_ms": "perf/step_ms", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+                     "peak_mem_gb": "perf/peak_mem_gb"}
+            self.wandb_run.log({name: record[key] for key, name in names.items() if record[key] is not None},
+                               step=record["step"])
+
+    def log_val(self, step: int, val_loss: float, attn: str) -> None:
+        self._write({"step": step, "val_loss": val_loss, "attn": attn})
+        if self.wandb_run:
+            self.wandb_run.log({"val/loss": val_loss}, step=step)
+
+    def log_sample(self, step: int, text: str) -> None:
+        self.samples.write(f"--- step {step} ---\n{text}\n")
+        self.samples.flush()
+        if self.wandb_run:
+            import wandb
+
+            self.wandb_run.log({"sample": wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.samples.close()
+        if self.wandb_run:
+            self.wandb_run.finish()
