@@ -1,0 +1,479 @@
+"""FlashAttention-2 in Triton, written from the derivation in docs/flash_attention.md (§N below
+points to its sections).
+
+Kernels, in the order a training step runs them:
+  _attn_fwd        a program per (query tile, batch*head): O and each row's log-sum-exp (§3, §4)
+  _attn_bwd_delta  Delta = rowsum(dO * O) for every query row (§5)
+  _attn_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV summed over the query heads
+                   of its group (§5, §7)
+  _attn_bwd_dq     a program per (query tile, batch*head): dQ (§5)
+No atomics: each output element is written by exactly one program, in a fixed order, so the
+gradients are bit-identical from run to run.
+
+Shape comments: M = BLOCK_M query rows, N = BLOCK_N key rows, D = BLOCK_D, the head dim padded to
+a power of two (columns >= HEAD_DIM load as 0 and are never stored, so nothing is copied).
+"""
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
+# its numpy interpreter on the CPU; the op's device check reads the same flag.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
+
+# ---------------------------------------------------------------------------------------------
+# Autotuning (§9). Tile candidates for Hopper (H100/H200), by head dim padded to a power of two,
+# as (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default when tuning is off.
+# BLOCK_M always counts query rows and BLOCK_N key rows. Larger heads leave room for fewer rows.
+# ---------------------------------------------------------------------------------------------
+HOPPER_TILES = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)],
+    },
+    "dkdv": {
+        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+        128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+        256: [(32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
+    },
+    "dq": {
+        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
+        128: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
+        256: [(64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
+    },
+}
+# Under the interpreter there is nothing to tune: one small tile, unequal in M and N so the
+# CPU tests cover tiles that straddle the causal diagonal at different offsets.
+INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+# Hopper has 227 KiB of shared memory per block; leave room for Triton's own scratch buffers.
+SMEM_BUDGET = 200 * 1024
+
+
+def head_dim_class(block_d: int) -> int:
+    return max(64, block_d)
+
+
+def smem_bytes(kernel: str, tile: tuple, block_d: int, elem_bytes: int) -> int:
+    """Shared memory a tile config needs: the tiles a program holds plus num_stages copies of the
+    tiles it streams (software pipelining keeps that many loads in flight)."""
+    block_m, block_n, _, stages = tile
+    held, streamed = {
+        "fwd": (block_m, 2 * block_n),  # holds Q; streams K, V
+        "dq": (2 * block_m, 2 * block_n),  # holds Q, dO; streams K, V
+        "dkdv": (2 * block_n, 2 * block_m),  # holds K, V; streams Q, dO
+    }[kernel]
+    return (held + stages * streamed) * block_d * elem_bytes
+
+
+def prune_tiles(kernel: str, configs, named_args, **kwargs):
+    """Keep the configs meant for this head dim that fit in shared memory for this dtype, in table
+    order, so the first call per tuning key benchmarks 2-4 configs instead of every candidate.
+    NANOFLASH_AUTOTUNE=0 keeps only the first (no benchmarking, e.g. for quick tests)."""
+    args = {**named_args, **kwargs}
+    block_d, elem_bytes = args["BLOCK_D"], args["Q"].element_size()
+    by_tile = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
+    kept = [
+        by_tile[tile] for tile in HOPPER_TILES[kernel][head_dim_class(block_d)]
+        if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET
+    ]
+    return kept[:1] if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" else kept
+
+
+def _config(tile: tuple) -> triton.Config:
+    block_m, block_n, warps, stages = tile
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+def _autotune(kernel: str):
+    # The sequence lengths enter the key as power-of-two buckets, so a new T reuses the tuning of
+    # its bucket. Triton appends every tensor argument's dtype to the key by itself.
+    key = ["HEAD_DIM", "CAUSAL", "Q_BUCKET", "K_BUCKET"]
+    if INTERPRET:
+        return triton.autotune([_config(INTERPRETER_TILES[kernel])], key=key)
+    tiles = sorted({tile for by_dim in HOPPER_TILES[kernel].values() for tile in by_dim})
+    prune = functools.partial(prune_tiles, kernel)
+    return triton.autotune([_config(t) for t in tiles], key=key, prune_configs_by={"early_config_prune": prune})
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces shared by every kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _head_base(ptr, b, h, stride_b, stride_h):
+    # 64-bit: b * stride_b passes 2**31 for large batches of long sequences
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _load_rows(base, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """(len(rows), D) tile of one head's (n_rows, HEAD_DIM) matrix. Padding columns read 0; rows
+    past n_rows read 0 only with CHECK_ROWS, which tiles known to lie inside the sequence skip."""
+    ptrs = base + rows[:, None] * stride_t + cols[None, :] * stride_d
+    mask = cols[None, :] < HEAD_DIM
+    if CHECK_ROWS:
+        mask = mask & (rows[:, None] < n_rows)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(base, tile, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr):
+    ptrs = base + rows[:, None] * stride_t + cols[None, :] * stride_d
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _visible(q_pos, k_pos, Tq, Tk, CAUSAL: tl.constexpr):
+    """True where query q_pos may attend to key k_pos (broadcast shapes, e.g. (M, 1) and (1, N)):
+    the key exists and, if causal, is not in the query's future (bottom-right aligned, §6)."""
+    mask = k_pos < Tk
+    if CAUSAL:
+        mask = mask & (k_pos <= q_pos + (Tk - Tq))
+    return mask
+
+
+@triton.jit
+def _key_ranges(start_m, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys a query tile [start_m, start_m + BLOCK_M) visits, as two ranges (§6 tile skipping):
+    [0, full_end) are visible to every row (no mask), [full_end, end) need the mask."""
+    if CAUSAL:
+        # query i sees keys <= i + Tk - Tq: the tile's first row bounds the full tiles, its last
+        # row the end; key tiles past the end are never loaded
+        first_row_last_key = start_m + Tk - Tq
+        full_end = tl.maximum(first_row_last_key + 1, 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(first_row_last_key + BLOCK_M, Tk)
+    else:
+        full_end = Tk // BLOCK_N * BLOCK_N  # only a ragged last tile needs the mask
+        end = Tk
+    return full_end, end
+
+
+@triton.jit
+def _query_ranges(start_n, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Queries that see a key tile [start_n, start_n + BLOCK_N), as three ranges (§6): [lo, diag_end)
+    straddle the diagonal (mask), [diag_end, full_end) see the whole tile (no mask), [full_end, Tq)
+    is the ragged last query tile (mask). Query tiles before lo see none of these keys: skipped."""
+    if CAUSAL:
+        first_query = start_n - (Tk - Tq)  # first query that sees key start_n
+        lo = tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M
+        # a query tile starting at or after the query that sees the tile's last key sees it all
+        diag_end = tl.cdiv(tl.maximum(first_query + BLOCK_N - 1, 0), BLOCK_M) * BLOCK_M
+        diag_end = tl.minimum(diag_end, Tq)
+    else:
+        lo = 0
+        diag_end = 0
+    full_end = tl.maximum(diag_end, Tq // BLOCK_M * BLOCK_M)
+    return lo, diag_end, full_end
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward (§2 online softmax, §3 tiling, §4 log-sum-exp)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+               start, end, Tq, Tk, qk_scale,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key tiles [start, end) into one query tile's running max m_i, running sum l_i and
+    unnormalised output acc. MASKED tiles apply the causal/end-of-keys mask; the others do not."""
+    for start_n in range(start, end, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+        k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, MASKED)  # (N, D)
+        v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, MASKED)  # (N, D)
+        # §8 exp2: scores in base 2, s = q.k * scale * log2(e), accumulated in fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N)
+        if MASKED:
+            s = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), s, float("-inf"))
+        # §2 online softmax: move the running max, rescale what was summed under the old one
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # (M,)
+        m_ref = m_new
+        if MASKED:
+            # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
+            # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])  # (M, N)
+        alpha = tl.exp2(m_i - m_ref)  # (M,)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@_autotune("fwd")
+@triton.jit
+def _attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qt, stride_qd,
+              stride_kb, stride_kh, stride_kt, stride_kd,
+              stride_vb, stride_vh, stride_vt, stride_vd,
+              stride_ob, stride_oh, stride_ot, stride_od,
+              H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    # §7 GQA: query head h reads kv head h // GROUP, GROUP = Hq // Hkv
+    Q = _head_base(Q, b, h, stride_qb, stride_qh)
+    K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)
+    V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
+    O = _head_base(O, b, h, stride_ob, stride_oh)
+
+    q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+    cols = tl.arange(0, BLOCK_D)  # (D,)
+    q = _load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, True)  # (M, D), on chip throughout
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * LOG2E
+
+    # §6: the fully visible key tiles first, unmasked; then the few that need the mask
+    full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                               0, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                               full_end, end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+
+    # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
+    # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))
+    _store_rows(O, acc / l_safe[:, None], q_pos, Tq, stride_ot, cols, stride_od, HEAD_DIM)
+    tl.store(LSE + bh.to(tl.int64) * Tq + q_pos, lse, mask=q_pos < Tq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward (§5): dV = P^T dO, dP = dO V^T, dS = P * (dP - Delta), dQ = scale dS K, dK = scale dS^T Q
+# with P recomputed tile by tile from the saved log-sum-exp.
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_delta(O, DO, DELTA,
+                    stride_ob, stride_oh, stride_ot, stride_od,
+                    stride_dob, stride_doh, stride_dot, stride_dod,
+                    H, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    # §5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i: one dot product per row instead of a row of P
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    cols = tl.arange(0, BLOCK_D)
+    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), rows, Tq, stride_ot, cols, stride_od, HEAD_DIM, True)
+    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), rows, Tq, stride_dot, cols, stride_dod,
+                    HEAD_DIM, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (M,)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + rows, delta, mask=rows < Tq)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, cols,
+                start, end, Tq, Tk, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the query tiles [start, end) of one head into a key tile's dK, dV. Computed transposed
+    (keys as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes."""
+    for start_m in range(start, end, BLOCK_M):
+        q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+        q = _load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, MASKED)  # (M, D)
+        do = _load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, MASKED)  # (M, D)
+        # rows past Tq load lse = +inf, which makes their P (and so dS) exactly 0
+        lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,), base 2
+        delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
+        # §4: recompute P^T = exp2(s - lse) instead of having stored the (Tq, Tk) matrix
+        pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])  # (N, M)
+        if MASKED:
+            pT = tl.where(_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL), pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
+        dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
+    return dk, dv
+
+
+@_autotune("dkdv")
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
+                   stride_qb, stride_qh, stride_qt, stride_qd,
+                   stride_kb, stride_kh, stride_kt, stride_kd,
+                   stride_vb, stride_vh, stride_vt, stride_vd,
+                   stride_dob, stride_doh, stride_dot, stride_dod,
+                   stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                   stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+                   H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh_kv = tl.program_id(1)
+    H_kv = H // GROUP
+    b, h_kv = bh_kv // H_kv, bh_kv % H_kv
+
+    k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+    cols = tl.arange(0, BLOCK_D)  # (D,)
+    k = _load_rows(_head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, Tk, stride_kt, cols, stride_kd,
+                   HEAD_DIM, True)  # (N, D), on chip throughout
+    v = _load_rows(_head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, Tk, stride_vt, cols, stride_vd,
+                   HEAD_DIM, True)  # (N, D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    qk_scale = scale * LOG2E
+
+    lo, diag_end, full_end = _query_ranges(start_n, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
+    # §7 GQA gradient sum: every query head that reads this kv head adds into the same registers,
+    # one head after the other, so no two programs write the same dK/dV rows (no atomics)
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        Qh = _head_base(Q, b, h, stride_qb, stride_qh)
+        DOh = _head_base(DO, b, h, stride_dob, stride_doh)
+        LSEh = LSE + (b * H + h).to(tl.int64) * Tq
+        DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
+        # §6: diagonal tiles masked, fully visible ones not, the ragged last query tile masked
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                             cols, lo, diag_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, True, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                             cols, diag_end, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, False,
+                             DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                             cols, full_end, Tq, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, True, DOT_PRECISION)
+
+    DK = _head_base(DK, b, h_kv, stride_dkb, stride_dkh)
+    DV = _head_base(DV, b, h_kv, stride_dvb, stride_dvh)
+    _store_rows(DK, dk * scale, k_pos, Tk, stride_dkt, cols, stride_dkd, HEAD_DIM)  # dS was w.r.t. scale * QK^T
+    _store_rows(DV, dv, k_pos, Tk, stride_dvt, cols, stride_dvd, HEAD_DIM)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+              start, end, Tq, Tk, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the key tiles [start, end) into one query tile's dQ."""
+    for start_n in range(start, end, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+        k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, MASKED)  # (N, D)
+        v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, MASKED)  # (N, D)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
+        if MASKED:
+            p = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
+        ds = p * (dp - delta[:, None])  # §5 (M, N)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K  (M, D)
+    return dq
+
+
+@_autotune("dq")
+@triton.jit
+def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+                 stride_qb, stride_qh, stride_qt, stride_qd,
+                 stride_kb, stride_kh, stride_kt, stride_kd,
+                 stride_vb, stride_vh, stride_vt, stride_vd,
+                 stride_dob, stride_doh, stride_dot, stride_dod,
+                 stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                 H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
+    V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
+
+    q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+    cols = tl.arange(0, BLOCK_D)  # (D,)
+    q = _load_rows(_head_base(Q, b, h, stride_qb, stride_qh), q_pos, Tq, stride_qt, cols, stride_qd,
+                   HEAD_DIM, True)  # (M, D), on chip throughout, like dO, lse and Delta
+    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols, stride_dod,
+                    HEAD_DIM, True)  # (M, D)
+    lse2 = tl.load(LSE + bh.to(tl.int64) * Tq + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,)
+    delta = tl.load(DELTA + bh.to(tl.int64) * Tq + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * LOG2E
+
+    full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)  # §6, as in the forward
+    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                   0, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                   full_end, end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+    DQ = _head_base(DQ, b, h, stride_dqb, stride_dqh)
+    _store_rows(DQ, dq * scale, q_pos, Tq, stride_dqt, cols, stride_dqd, HEAD_DIM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers: q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), any strides
+# ---------------------------------------------------------------------------------------------
+DELTA_BLOCK_M = 64  # the Delta pre-pass only streams O and dO once; its tile size hardly matters
+
+
+def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
+    """Uninitialised (B, H, T, D) stored as (B, T, H, D): the model's y.transpose(1, 2) of it is
+    contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads)."""
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def _constants(q: torch.Tensor, causal: bool) -> dict:
+    D = q.shape[-1]
+    return dict(
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        CAUSAL=causal,
+        # §8: fp32 inputs get exact fp32 products; TF32 would add ~1e-3 relative error. fp16 and
+        # bf16 dots are exact products with fp32 sums either way ("tf32" is Triton's default).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+
+
+def _seq_args(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple:
+    """(H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET) as every tuned kernel takes them."""
+    Hq, Tq = q.shape[1], q.shape[2]
+    Hkv, Tk = k.shape[1], k.shape[2]
+    return Hq, Hq // Hkv, Tq, Tk, scale, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)
+
+
+def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
+    that see no key)."""
+    B, Hq, Tq, D = q.shape
+    o = empty_bthd(B, Hq, Tq, D, q)
+    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+
+    def grid(meta):
+        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
+
+    _attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                    *_seq_args(q, k, scale), **_constants(q, causal))
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv, shaped like q, k, v."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dq = empty_bthd(B, Hq, Tq, D, q)
+    dk = empty_bthd(B, Hkv, Tk, D, k)
+    dv = empty_bthd(B, Hkv, Tk, D, v)
+    delta = torch.empty_like(lse)
+    constants = _constants(q, causal)
+    seq_args = _seq_args(q, k, scale)
+
+    _attn_bwd_delta[(triton.cdiv(Tq, DELTA_BLOCK_M), B * Hq)](
+        o, do, delta, *o.stride(), *do.stride(), Hq, Tq,
+        HEAD_DIM=D, BLOCK_D=constants["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M)
+
+    def grid_kv(meta):
+        return triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv
+
+    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta,
+                            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                            *seq_args, **constants)
+
+    def grid_q(meta):
+        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
+
+    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse, delta,
+                         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                         *seq_args, **constants)
+    return dq, dk, dv

@@ -1,0 +1,107 @@
+"""The Triton FlashAttention kernels (triton_flash.py) as PyTorch operators.
+
+nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are torch.library custom ops with fake
+(meta) implementations, so torch.compile(fullgraph=True) traces straight through them without a
+graph break, and the backward op is wired to the forward with register_autograd.
+
+    from attention.triton_op import flash_attention
+    y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
+"""
+import torch
+
+from . import triton_flash
+from .validate import check_qkv
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a 256-wide tile is the most that fits on chip
+
+
+@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return triton_flash.forward(q, k, v, causal, scale)
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, causal, scale):
+    # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
+    B, Hq, Tq, D = q.shape
+    return triton_flash.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+
+
+@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return triton_flash.backward(do, q, k, v, o, lse, causal, scale)
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale):
+    return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_kernel_support(q: torch.Tensor) -> None:
+    """What the Triton kernel adds to check_qkv's checks (dtype, head dim, device)."""
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"the triton attention kernel supports float16, bfloat16 and float32, got {q.dtype}; "
+            "cast q, k, v with .float() or use backend='naive' for float64"
+        )
+    D = q.shape[-1]
+    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"the triton attention kernel supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {D}; "
+            "change n_embd / n_head, or use backend='sdpa' for this head size"
+        )
+    if q.device.type != "cuda" and not triton_flash.INTERPRET:
+        raise ValueError(
+            f"the triton attention kernel runs on CUDA tensors, got device {q.device}; move tensors to a "
+            "CUDA device or set TRITON_INTERPRET=1 to run Triton's CPU interpreter"
+        )
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """FlashAttention-2: softmax(q k^T * scale) v without materialising the (Tq, Tk) scores.
+
+    q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D), Hq a multiple of Hkv (query head h reads kv head
+    h // (Hq // Hkv)); any strides. float16/bfloat16/float32, 16 <= D <= 256.
+    causal: query i sees keys <= i + Tk - Tq (bottom-right aligned); a query that sees no key
+    gets output 0 and zero gradients.
+    scale: defaults to 1/sqrt(D).
+    Returns out (B, Hq, Tq, D) in q's dtype, stored (B, Tq, Hq, D) so out.transpose(1, 2) is
+    contiguous; with return_lse also lse (B, Hq, Tq) float32, the natural-log log-sum-exp of
+    each row's scaled scores (+inf for a row that sees no key; not differentiable).
+    """
+    check_qkv(q, k, v, scale)
+    _check_kernel_support(q)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out, lse = flash_attn_fwd(q, k, v, causal, float(scale))
+    return (out, lse) if return_lse else out
