@@ -26,6 +26,11 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when it is imported: without a GPU our kernel can only run in its CPU interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import triton.testing
 from tqdm import tqdm
 
@@ -248,8 +253,6 @@ def measure(fn, shape: Shape, passes, dtype, device, rep_ms: float) -> dict[str,
 def run(args) -> Path:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # our Triton kernel then runs in the interpreter
     shapes = ([GPT2_SHAPE] if args.gpt2 else []) + grid_shapes(
         args.seq_lens, args.head_dims, args.causal, args.tokens, args.width
     )

@@ -41,8 +41,9 @@ def median(records: list[dict], key: str) -> float | None:
 
 def summarize_run(train: dict[int, dict], val: dict[int, float], ref_train: dict, ref_val: dict, skip_steps: int) -> dict:
     losses = {step: r["train_loss"] for step, r in train.items()}
-    # the first steps pay for compilation, autotuning and cold caches: they say nothing about steady speed
-    steady = [r for step, r in train.items() if step >= skip_steps]
+    # the first steps pay for compilation, autotuning and cold caches: they say nothing about steady
+    # speed. train.py flags the first steps of every process "warmup"; skip_steps drops more on top.
+    steady = [r for step, r in train.items() if step >= skip_steps and not r.get("warmup")]
     peaks = [r["peak_mem_gb"] for r in train.values() if r.get("peak_mem_gb") is not None]
     return {
         "last_step": max(train, default=None),
@@ -129,8 +130,8 @@ def markdown(summary: dict) -> str:
         f"Group `{summary['group']}`; {env.get('gpu') or 'CPU'}, torch {env.get('torch')}, triton {env.get('triton')}, "
         f"{env.get('date')}. train.py arguments: `{' '.join(summary['train_args'] or [])}`\n",
         f"- diffs: largest |loss(backend) - loss({ref})| over the steps both logged (same seed, same data order)",
-        f"- step time, tokens/s, MFU: medians over logged steps >= {summary['skip_steps']} (earlier ones pay for "
-        "compilation and warm-up); peak memory: the largest logged\n",
+        f"- step time, tokens/s, MFU: medians over the logged steps >= {summary['skip_steps']} that train.py did not "
+        "flag as warm-up (those pay for compilation and cold caches); peak memory: the largest logged\n",
         "## Per backend\n",
         markdown_table(["backend", *(h for h, _, _ in COLUMNS), "status"], rows),
     ]

@@ -10,11 +10,12 @@ import subprocess
 from pathlib import Path
 
 import torch
-import triton
 
 
 def environment(device: torch.device) -> dict:
     """Software and hardware the numbers came from. No hostname: results get committed."""
+    import triton  # here, not at the top: importing triton fixes its interpreter mode, callers choose that first
+
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device.type,

@@ -3,9 +3,14 @@ analysis (on synthetic metrics) and, when train.py is there, one real comparison
 import csv
 import itertools
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from benchmarks import attention as bench
 from benchmarks import compare, compare_report
@@ -113,18 +118,29 @@ def test_sweep_records_a_skip_and_resumes_without_remeasuring(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_compiled_backend_recompiles_cleanly_across_shapes(tmp_path):
-    # three sequence lengths: without the per-shape Dynamo reset the third would compile dynamic shapes
+def test_compiled_backend_never_hits_the_recompile_limit_over_the_grid(tmp_path, monkeypatch):
+    # a limit of one compile per function: every new shape would fail without the sweep's Dynamo reset
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     _, results = run_sweep(tmp_path, "--backends", "compile", "--seq_lens", "16,32,64", "--head_dims", "16",
                            "--causal", "true", "--passes", "fwd+bwd", "--tokens", "64", "--width", "16")
     assert [r["status"] for r in results["rows"]] == ["ok"] * 3
 
 
 @pytest.mark.skipif(not (REPO / "attention" / "triton_op.py").exists(), reason="the Triton kernel is not written yet")
-def test_triton_kernel_runs_in_the_sweep_under_the_interpreter(tmp_path):
-    _, results = run_sweep(tmp_path, "--backends", "triton,sdpa", "--seq_lens", "16", "--head_dims", "16",
-                           "--causal", "true", "--tokens", "16", "--width", "16")
+def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path):
+    # as a user would start it: the script by its path (benchmarks/ must not shadow the attention
+    # package) and no TRITON_INTERPRET set (the benchmark sets it before Triton is imported)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "benchmarks/attention.py", "--device", "cpu", "--backends", "triton,sdpa",
+                    "--seq_lens", "16", "--head_dims", "16", "--causal", "true", "--tokens", "16", "--width", "16",
+                    "--rep_ms", "1", "--out_dir", str(tmp_path)], cwd=REPO, env=env, check=True, timeout=300)
+    results = json.loads((tmp_path / "results.json").read_text())
     assert [r["status"] for r in results["rows"]] == ["ok"] * 6
+    header, speedups = markdown_section((tmp_path / "results.md").read_text(),
+                                        "Forward: triton speed-up (backend's time / triton's time)")
+    fwd_ms = {r["backend"]: r["ms"] for r in results["rows"] if r["pass"] == "fwd"}
+    assert header[5:] == ["vs sdpa"] and speedups[0][5:] == [fmt(fwd_ms["sdpa"] / fwd_ms["triton"])]
 
 
 def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):
@@ -164,7 +180,8 @@ def write_run(folder: Path, losses, step_ms, val=None, returncode=0, repeat_step
     lines = []
     for step, (loss, ms) in enumerate(zip(losses, step_ms)):
         lines.append({"step": step, "train_loss": loss, "lr": 1e-3, "grad_norm": 1.0, "step_ms": ms,
-                      "tokens_per_s": 1000.0 / ms, "mfu": None, "peak_mem_gb": None, "attn": folder.name})
+                      "tokens_per_s": 1000.0 / ms, "mfu": None, "peak_mem_gb": None, "attn": folder.name,
+                      "warmup": step == 0})
     if repeat_step is not None:  # a stale record of a step logged again later (a resume): the later one counts
         lines.insert(repeat_step, {**lines[repeat_step], "train_loss": 99.0})
     for step, loss in (val or {}).items():
@@ -181,17 +198,20 @@ def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
     (tmp_path / "compile").mkdir()
     (tmp_path / "compile" / "run.json").write_text(json.dumps({"returncode": 1}))
 
-    summary = compare_report.write_report(tmp_path, reference="sdpa", skip_steps=1)
+    summary = compare_report.write_report(tmp_path, reference="sdpa", skip_steps=0)
     b = summary["backends"]
     assert list(b) == ["compile", "naive", "sdpa", "triton"]
     assert b["triton"]["max_abs_train_diff"] == pytest.approx(0.03)
     assert b["triton"]["max_abs_val_diff"] == pytest.approx(0.05)
     assert b["naive"]["max_abs_train_diff"] == 0.0 and b["naive"]["max_abs_val_diff"] is None
-    # step 0 (compilation, warm-up) is dropped: medians of the 4 later steps
+    # step 0, flagged warm-up by train.py, is dropped: medians of the 4 later steps
     assert b["triton"]["median_step_ms"] == 50 and b["sdpa"]["median_step_ms"] == 100 and b["naive"]["median_step_ms"] == 200
     assert b["triton"]["speedup_vs_naive"] == 4.0 and b["sdpa"]["speedup_vs_naive"] == 2.0
     assert b["triton"]["median_tokens_per_s"] == 20.0 and b["triton"]["median_mfu"] is None
     assert b["compile"]["status"].startswith("failed: train.py exited with 1") and b["compile"]["median_step_ms"] is None
+
+    assert b["triton"]["timed_steps"] == 4
+    assert compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", skip_steps=3)["backends"]["triton"]["timed_steps"] == 2
 
     assert json.loads((tmp_path / "comparison.json").read_text()) == summary
     assert (tmp_path / "loss.png").stat().st_size > 0
@@ -201,3 +221,38 @@ def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
             key, scale = next((key, scale) for h, key, scale in compare_report.COLUMNS + [("status", "status", None)] if h == column)
             value = b[row[0]][key]
             assert text == (value if scale is None else fmt(value * scale if value is not None else None)), (row[0], column)
+
+
+def test_train_command_lets_user_flags_override_defaults_but_not_per_backend_ones(tmp_path):
+    args, train_args = compare.parse_args(["--backends", "sdpa,triton", "--out_dir", str(tmp_path), "--wandb", "true",
+                                           "--", "configs/x.py", "--max_steps=5", "--seed=7"])
+    cmd = compare.train_command("triton", tmp_path / "triton", args, train_args)
+    assert cmd[1].endswith("train.py") and cmd[2] == "configs/x.py"  # config files first: flags override them
+    assert cmd.index("--seed=1337") < cmd.index("--seed=7")  # train.py applies left to right: the user's seed wins
+    assert "--wandb=true" in cmd and f"--wandb_group={tmp_path.name}" in cmd and "--wandb_run_name=triton" in cmd
+    assert cmd[-4:-2] == ["--attn=triton", f"--out_dir={tmp_path / 'triton'}"]
+    with pytest.raises(ValueError, match="compare.py sets --attn"):
+        compare.train_command("sdpa", tmp_path, args, ["--attn=naive"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / "train.py").exists(), reason="train.py is not written yet")
+def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 512, size=20_000)
+    for split in ("train", "val"):
+        np.save(data / f"{split}_000000.npy", tokens.astype(np.uint16))
+    out = tmp_path / "cmp"
+    code = compare.main(["--backends", "naive,sdpa", "--out_dir", str(out), "--wandb", "false", "--skip_steps", "0", "--",
+                         str(REPO / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4", "--log_interval=1",
+                         "--warmup_steps=1", "--eval_interval=2", "--eval_iters=1", "--sample_interval=0"])
+    assert code == 0
+    b = json.loads((out / "comparison.json").read_text())["backends"]
+    assert set(b) == {"naive", "sdpa"} and all(row["status"] == "ok" for row in b.values())
+    assert b["naive"]["last_step"] == 3 and b["naive"]["timed_steps"] == 1  # steps 0-2 are train.py's warm-up
+    # same seed and data: the two backends compute the same attention, so the losses agree closely
+    assert b["naive"]["max_abs_train_diff"] < 1e-3 and b["naive"]["max_abs_val_diff"] < 1e-3
+    assert b["sdpa"]["speedup_vs_naive"] > 0
+    assert (out / "loss.png").exists() and (out / "naive" / "train.log").read_text()
+    assert json.loads((out / "sdpa" / "run.json").read_text())["returncode"] == 0
