@@ -111,7 +111,8 @@ def open_loader(cfg: TrainConfig, split: str, world: World) -> TokenLoader:
     try:
         return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size)
     except (FileNotFoundError, ValueError) as err:
-        raise ConfigError(f"data_dir: {err}") from None
+        hint = "; or pass --eval_interval=0 to train without evaluation" if split == "val" else ""
+        raise ConfigError(f"{err}{hint}") from None
 
 
 def prompt_tokens(cfg: TrainConfig, vocab_size: int) -> list[int]:
@@ -158,6 +159,8 @@ def sample_text(model: GPT, prompt: list[int], cfg: TrainConfig, step: int, auto
 def train(cfg: TrainConfig) -> None:
     world = world_from_env()
     device = pick_device(cfg, world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the process group, so NCCL binds to this GPU
     init_process_group(world, device)
     try:
         run(cfg, world, device)
@@ -171,7 +174,6 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         seed_fn(cfg.seed + world.rank)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for whatever fp32 matmuls remain
-        torch.cuda.set_device(device)
     dtype = pick_dtype(cfg, device)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)
@@ -235,7 +237,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     with StopSignal() as stop:
         while True:
             # step = optimizer updates done so far; val loss and samples describe the model after them
-            last = step == cfg.max_steps
+            last = step >= cfg.max_steps  # >=: a resume may start past a lowered max_steps
             if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
                 val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
                 best_val_loss = min(best_val_loss, val_loss)
@@ -275,7 +277,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
             # so that all ranks stop after the same step
             shared = sum_across_ranks(torch.stack([loss_sum / grad_accum, torch.tensor(
                 float(stop.signum is not None), device=device)]))
-            train_loss, any_stop = shared[0].item() / world.size, shared[1].item() > 0
+            loss_total, stop_votes = shared.tolist()
+            train_loss = loss_total / world.size
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
@@ -296,7 +299,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
                     logger.log_train(record)
                     bar.write(format_step(record, cfg.max_steps))
             step += 1
-            if any_stop:
+            if stop_votes:
                 stopped_by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
                 break
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
@@ -307,8 +310,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     if world.is_main:
         logger.close()
         status = f"stopped by {stopped_by}" if stopped_by else "done"
-        print(f"{status} at step {step}; best val loss {best_val_loss:.4f}; checkpoint {ckpt_path}"
-              + ("; continue with --resume" if stopped_by else ""))
+        best = f"best val loss {best_val_loss:.4f}; " if best_val_loss < math.inf else ""
+        print(f"{status} at step {step}; {best}checkpoint {ckpt_path}" + ("; continue with --resume" if stopped_by else ""))
 
 
 def main(argv: list[str]) -> None:

@@ -128,6 +128,24 @@ def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
     assert len(load_checkpoint(tmp_path / "ddp" / "ckpt.pt")["rng"]) == 2  # one RNG state per rank
 
 
+def test_wandb_logs_offline_without_an_api_key(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    train.train(tiny_config(tmp_path / "run", data_dir, max_steps=2, eval_interval=1, wandb=True))
+    run_id = load_checkpoint(tmp_path / "run" / "ckpt.pt")["wandb_run_id"]
+    offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and offline_runs[0].name.endswith(run_id)  # kept so --resume continues it
+
+
+def test_minimal_loop_runs_train_py_settings(data_dir, capsys):
+    from benchmarks import minimal_loop
+
+    median_ms = minimal_loop.main(cli_flags(**{**TINY, "data_dir": data_dir, "max_steps": 5}))
+    assert median_ms > 0
+    assert "minimal loop, attn=sdpa, B=4, T=16, cpu" in capsys.readouterr().out
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     save_checkpoint({"step": 1, "w": torch.ones(3)}, path)

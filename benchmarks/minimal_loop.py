@@ -1,0 +1,74 @@
+"""The least a training step can be: forward, backward, clip, AdamW, nothing else. train.py's own
+step (logging, metrics, signal checks, DDP hooks) should cost no more than a few percent on top.
+
+    python -m benchmarks.minimal_loop configs/shakespeare.py --attn=sdpa --max_steps=50
+    python train.py configs/shakespeare.py --attn=sdpa --max_steps=50 --wandb=false   # compare step_ms
+
+It takes train.py's config files and flags, so both build the same model from the same batches
+(model, attn, batch_size, block_size, total_batch_size, data_dir, compile, device, dtype, seed); the
+rest (logging, eval, checkpoints) it ignores. No GradScaler: time it in bf16 or fp32, not fp16.
+"""
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/minimal_loop.py` works too
+
+import torch
+
+from model import GPT
+from train import TIMING_WARMUP_STEPS, open_loader, pick_device, pick_dtype
+from training.config import ConfigError, parse_args
+from training.distributed import World
+
+
+def main(argv: list[str]) -> float:
+    """Runs max_steps steps and returns the median ms/step of those after the warm-up steps."""
+    cfg = parse_args(argv)
+    world = World()  # a single process
+    device = pick_device(cfg, world)
+    dtype = pick_dtype(cfg, device)
+    torch.manual_seed(cfg.seed)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    model = GPT(cfg.gpt_config()).to(device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    if cfg.compile:
+        model = torch.compile(model)
+    loader = open_loader(cfg, "train", world)
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    grad_accum = cfg.grad_accum_steps(world.size)
+
+    step_ms = []
+    for _ in range(cfg.max_steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(grad_accum):
+            x, y = loader.next_batch()
+            with autocast:
+                _, loss = model(x.to(device), y.to(device))
+            (loss / grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_ms.append(1000 * (time.perf_counter() - t0))
+
+    timed = step_ms[TIMING_WARMUP_STEPS:] or step_ms  # the same warm-up steps train.py flags
+    median_ms = statistics.median(timed)
+    tokens = cfg.batch_size * cfg.block_size * grad_accum
+    print(f"minimal loop, attn={cfg.attn}, B={cfg.batch_size}, T={cfg.block_size}, {device}, {dtype}: "
+          f"median {median_ms:.1f} ms/step, {tokens / median_ms * 1000:,.0f} tok/s over {len(timed)} steps")
+    return median_ms
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ConfigError as err:
+        sys.exit(f"minimal_loop: error: {err}")
