@@ -187,18 +187,19 @@ def _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, s
         k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
         k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, MASKED)  # (N, D)
         v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, MASKED)  # (N, D)
-        # §8 exp2: scores in base 2, s = q.k * scale * log2(e), accumulated in fp32
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N), fp32 sums
         if MASKED:
-            s = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), s, float("-inf"))
-        # §2 online softmax: move the running max, rescale what was summed under the old one
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (M,)
+            qk = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), qk, float("-inf"))
+        # §2 online softmax: move the running max, rescale what was summed under the old one.
+        # §8 exp2: scores in base 2, s = q.k * scale * log2(e); the max commutes with that positive
+        # factor, so scaling the row max and then qk * qk_scale - m is one fused multiply-add
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (M,)
         m_ref = m_new
         if MASKED:
             # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
             # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])  # (M, N)
+        p = tl.exp2(qk * qk_scale - m_ref[:, None])  # (M, N)
         alpha = tl.exp2(m_i - m_ref)  # (M,)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)

@@ -1,0 +1,256 @@
+"""The Triton FlashAttention kernel on the CPU, through Triton's interpreter (conftest.py sets
+TRITON_INTERPRET=1). Sizes stay tiny: the interpreter runs every program one after the other in
+numpy. bfloat16 is left to tests/test_triton_gpu.py: the interpreter's tl.dot cannot do it."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from attention import attention, causal_mask, triton_flash
+from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_fwd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def out_and_grads(fn, q, k, v, do):
+    """fn(q, k, v) and its gradients for the upstream gradient do, on fresh leaves that keep the
+    inputs' strides (detach() shares storage), so strided views reach the kernel as views."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def assert_matches_fp64(q, k, v, causal=True, scale=None):
+    """Forward and dq, dk, dv of the kernel against float64, judged by PyTorch's math attention (the
+    naive backend) in the same dtype: err(ours) <= 2 * err(math) + 1e-5 for each of the four.
+
+    err is the max absolute error vs float64: a bug confined to one tile (a wrong mask on the
+    diagonal, a ragged edge) shows up in a few elements, which a norm over the tensor dilutes."""
+    do = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    exact = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive"),
+                          q.double(), k.double(), v.double(), do.double())
+    math = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive"), q, k, v, do)
+    ours = out_and_grads(lambda *t: flash_attention(*t, causal, scale), q, k, v, do)
+    for name, ref, theirs, mine in zip(("out", "dq", "dk", "dv"), exact, math, ours):
+        assert mine.shape == ref.shape and mine.dtype == q.dtype, name
+        err_math = (theirs.double() - ref).abs().max().item()
+        err_ours = (mine.double() - ref).abs().max().item()
+        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
+
+
+def qkv(B=1, Hq=2, Hkv=2, Tq=37, Tk=37, D=32, dtype=torch.float32, device="cpu"):
+    """Fresh random q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D)."""
+
+    def randn(H, T):
+        return torch.randn(B, H, T, D, dtype=dtype, device=device)
+
+    return randn(Hq, Tq), randn(Hkv, Tk), randn(Hkv, Tk)
+
+
+# The interpreter tiles are 32x16 (forward, dQ) and 16x32 (dK/dV): T = 37 and 70 leave ragged last
+# tiles, 64 is a whole number of tiles, and causal T >= 37 has tiles before, on and after the diagonal.
+@pytest.mark.parametrize(
+    "causal, Tq, Tk, D, dtype",
+    [
+        (True, 37, 37, 40, torch.float16),
+        (False, 37, 37, 40, torch.float16),
+        (True, 70, 70, 24, torch.float32),
+        (False, 70, 70, 24, torch.float32),
+        (True, 64, 64, 64, torch.float16),
+        (True, 20, 70, 32, torch.float16),  # Tq < Tk: a block of new queries against a longer context
+        (False, 33, 65, 16, torch.float32),
+        (True, 70, 20, 32, torch.float32),  # Tq > Tk: the first 50 queries see no key
+        (False, 65, 33, 16, torch.float16),
+        (True, 1, 50, 32, torch.float32),  # one query (decoding) sees every key
+    ],
+)
+def test_matches_fp64(causal, Tq, Tk, D, dtype):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(Tq=Tq, Tk=Tk, D=D, dtype=dtype), causal=causal)
+
+
+@pytest.mark.parametrize("Hkv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_attention(Hkv, causal):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(B=2, Hq=4, Hkv=Hkv, Tq=37, Tk=45, D=16, dtype=torch.float16), causal=causal)
+
+
+def test_custom_scale():
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(D=24), causal=False, scale=0.7)
+
+
+def test_fused_qkv_views():
+    # q, k, v as the model makes them: split a (B, T, 3C) projection, view heads, transpose
+    torch.manual_seed(0)
+    B, T, nh, hs = 2, 37, 2, 24
+    qkv_proj = torch.randn(B, T, 3 * nh * hs, dtype=torch.float16)
+    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
+    assert not q.is_contiguous()
+    assert_matches_fp64(q, k, v, causal=True)
+
+
+def test_transposed_views_and_output_layout():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 37, 2, 32).transpose(1, 2) for _ in range(3))  # (B, T, nh, hs) -> (B, nh, T, hs)
+    assert_matches_fp64(q, k, v, causal=True)
+    out = flash_attention(q, k, v)
+    # stored (B, T, nh, hs): the model's y.transpose(1, 2).contiguous().view(B, T, C) is free
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_rows_without_keys_are_zero_with_finite_grads():
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in qkv(Tq=50, Tk=20))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    out.backward(torch.randn_like(out))
+    blind = 50 - 20  # queries 0..29 sit before the first key (bottom-right alignment)
+    assert torch.equal(out[:, :, :blind], torch.zeros_like(out[:, :, :blind]))
+    assert (out[:, :, blind:] != 0).any()
+    assert torch.isinf(lse[:, :, :blind]).all() and (lse[:, :, :blind] > 0).all()
+    assert torch.isfinite(lse[:, :, blind:]).all()
+    for grad in (q.grad, k.grad, v.grad):
+        assert torch.isfinite(grad).all()
+    assert torch.equal(q.grad[:, :, :blind], torch.zeros_like(q.grad[:, :, :blind]))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_return_lse(causal):
+    torch.manual_seed(0)
+    q, k, v = qkv(Tq=37, Tk=45, D=16)
+    scale = 0.3
+    out, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    assert lse.shape == (1, 2, 37) and lse.dtype == torch.float32 and not lse.requires_grad
+    scores = (q.double() @ k.double().transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(37, 45), float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, dim=-1), rtol=0, atol=1e-5)
+    assert torch.equal(out, flash_attention(q, k, v, causal=causal, scale=scale))
+
+
+def assert_bitwise_deterministic(q, k, v):
+    """Two forward+backward runs on the same inputs agree bit for bit (no atomics anywhere)."""
+    do = torch.randn_like(q)
+    first = out_and_grads(flash_attention, q, k, v, do)
+    second = out_and_grads(flash_attention, q, k, v, do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_backward_is_deterministic():
+    torch.manual_seed(0)
+    assert_bitwise_deterministic(*qkv(Hq=4, Hkv=2, Tq=45, Tk=45, dtype=torch.float16))
+
+
+def test_registry_backend_is_this_kernel():
+    torch.manual_seed(0)
+    q, k, v = qkv()
+    assert torch.equal(attention(q, k, v, backend="triton"), flash_attention(q, k, v))
+
+
+def _bad(D=32, dtype=torch.float32, **changes):
+    q, k, v = qkv(D=D, dtype=dtype)
+    return {"q": q, "k": k, "v": v, **changes}
+
+
+@pytest.mark.parametrize(
+    "inputs, error, message",
+    [
+        (_bad(D=8), ValueError, "head_dim 16..256, got 8"),
+        (_bad(D=320), ValueError, "head_dim 16..256, got 320"),
+        (_bad(dtype=torch.float64), TypeError, "float16, bfloat16 and float32, got torch.float64"),
+        (_bad(k=torch.randn(1, 2, 37, 16), v=torch.randn(1, 2, 37, 16)), ValueError, "head_dim 32 but k/v have 16"),
+        (_bad(v=torch.randn(1, 2, 37, 32, dtype=torch.float16)), TypeError, "must share one dtype"),
+        (_bad(q=torch.randn(1, 3, 37, 32)), ValueError, "multiple of the number of key/value heads"),
+        (_bad(scale=-1.0), ValueError, "scale must be a positive number"),
+    ],
+    ids=["head_dim_small", "head_dim_large", "float64", "head_dims_differ", "dtypes_differ", "heads", "scale"],
+)
+def test_bad_input_errors(inputs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        flash_attention(**inputs)
+
+
+def test_cpu_tensors_without_interpreter_error(monkeypatch):
+    monkeypatch.setattr(triton_flash, "INTERPRET", False)
+    with pytest.raises(ValueError, match="move tensors to a CUDA device or set TRITON_INTERPRET=1"):
+        flash_attention(*qkv())
+
+
+def test_ops_pass_opcheck():
+    # schema, fake-tensor strides vs the real op, autograd registration, AOT dispatch
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in qkv(Hq=4, Hkv=2, Tq=20, Tk=24, D=16))
+    torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25))
+    out, lse = flash_attn_fwd(q, k, v, True, 0.25)
+    do = torch.randn_like(out)
+    torch.library.opcheck(flash_attn_bwd, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.25))
+
+
+def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol):
+    """torch.compile(fullgraph=True) of the model's attention path (fused qkv projection, head
+    views, this kernel, heads merged back) gives eager's output and gradients. fullgraph=True
+    fails on any graph break, e.g. a custom op without a fake implementation."""
+    C = nh * hs
+
+    def block(x, w):
+        q, k, v = (x @ w).split(C, dim=2)
+        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
+        return flash_attention(q, k, v).transpose(1, 2).contiguous().view(B, T, C)
+
+    x = torch.randn(B, T, C, dtype=dtype, device=device)
+    w = torch.randn(C, 3 * C, dtype=dtype, device=device) * C**-0.5
+    do = torch.randn(B, T, C, dtype=dtype, device=device)
+
+    def run(fn):
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(x_, w_)
+        out.backward(do)
+        return out, x_.grad, w_.grad
+
+    for eager, compiled in zip(run(block), run(torch.compile(block, fullgraph=True))):
+        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+
+
+def test_torch_compile_fullgraph():
+    # Inductor compiles the surrounding ops for the CPU; the custom op runs the interpreted kernel
+    torch.manual_seed(0)
+    assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 80, 128, 160, 256])
+def test_hopper_tile_pruning(kernel, dtype, head_dim, monkeypatch):
+    # pure Python: every head dim and dtype keeps at least one Hopper config that fits on chip
+    block_d = triton.next_power_of_2(head_dim)
+    tiles = sorted({t for by_dim in triton_flash.HOPPER_TILES[kernel].values() for t in by_dim})
+    configs = [triton_flash._config(t) for t in tiles]
+    args = {"Q": torch.empty(0, dtype=dtype)}
+    kept = triton_flash.prune_tiles(kernel, configs, args, BLOCK_D=block_d)
+    assert kept
+    for c in kept:
+        tile = (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        assert tile in triton_flash.HOPPER_TILES[kernel][triton_flash.head_dim_class(block_d)]
+        assert triton_flash.smem_bytes(kernel, tile, block_d, dtype.itemsize) <= triton_flash.SMEM_BUDGET
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+    assert triton_flash.prune_tiles(kernel, configs, args, BLOCK_D=block_d) == kept[:1]
+
+
+def test_doc_and_kernel_point_at_each_other():
+    # docs/flash_attention.md cites kernel code as `triton_flash.py:name` and the kernel's comments
+    # cite the doc's sections as §N; every citation must resolve, and every kernel must be cited
+    doc = (ROOT / "docs" / "flash_attention.md").read_text()
+    code = (ROOT / "attention" / "triton_flash.py").read_text()
+    cited_names = set(re.findall(r"`triton_flash\.py:(\w+)`", doc))
+    assert cited_names
+    for name in cited_names:
+        assert hasattr(triton_flash, name), f"docs/flash_attention.md cites missing triton_flash.{name}"
+    jit_functions = set(re.findall(r"@triton\.jit\ndef (\w+)", code))
+    assert jit_functions - cited_names == set(), "kernel functions the doc never mentions"
+    sections = set(re.findall(r"^## §(\d+)", doc, flags=re.M))
+    for number in set(re.findall(r"§(\d+)", code)):
+        assert number in sections, f"triton_flash.py cites §{number}, which docs/flash_attention.md lacks"

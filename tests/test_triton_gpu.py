@@ -1,0 +1,63 @@
+"""The Triton FlashAttention kernel compiled for a CUDA GPU, at training sizes, in bfloat16 and
+float16 (which the CPU interpreter cannot check). Skipped without a GPU (see conftest.py).
+
+Benchmarking every tile config for every new shape would take minutes, so these tests take each
+kernel's default config (NANOFLASH_AUTOTUNE=0); test_autotuned_choice_is_correct runs the tuner."""
+import pytest
+import torch
+
+from test_triton import assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64, qkv
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def default_tiles(monkeypatch):
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+
+
+@pytest.mark.parametrize(
+    "dtype, D, causal, B, Hq, Hkv, Tq, Tk",
+    [
+        (torch.bfloat16, 64, True, 4, 4, 4, 1024, 1024),  # GPT-2 small's head
+        (torch.float16, 64, False, 2, 4, 4, 1000, 1000),  # ragged last tile
+        (torch.bfloat16, 128, True, 2, 8, 2, 2048, 2048),  # GQA
+        (torch.float16, 128, False, 1, 4, 1, 777, 777),  # MQA, ragged
+        (torch.bfloat16, 80, True, 2, 4, 4, 1000, 1000),  # head dim padded to 128 in the kernel
+        (torch.float16, 160, False, 1, 4, 4, 513, 513),  # head dim padded to 256
+        (torch.bfloat16, 256, True, 1, 4, 4, 1024, 1024),
+        (torch.float16, 64, True, 2, 4, 2, 300, 1000),  # Tq < Tk
+        (torch.bfloat16, 64, True, 2, 4, 2, 1000, 300),  # Tq > Tk: 700 rows see no key
+        (torch.float32, 64, True, 1, 4, 4, 512, 512),  # exact fp32 dots ("ieee")
+        (torch.bfloat16, 128, True, 1, 2, 1, 16384, 16384),  # long context
+        (torch.float16, 64, False, 1, 2, 2, 8192, 8192),
+    ],
+)
+def test_matches_fp64(dtype, D, causal, B, Hq, Hkv, Tq, Tk):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(B, Hq, Hkv, Tq, Tk, D, dtype, device="cuda"), causal=causal)
+
+
+def test_fused_qkv_views():
+    torch.manual_seed(0)
+    B, T, nh, hs = 2, 1024, 12, 64
+    qkv_proj = torch.randn(B, T, 3 * nh * hs, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
+    assert_matches_fp64(q, k, v, causal=True)
+
+
+def test_backward_is_bitwise_deterministic():
+    torch.manual_seed(0)
+    assert_bitwise_deterministic(*qkv(2, 8, 2, 4096, 4096, 128, torch.bfloat16, device="cuda"))
+
+
+def test_torch_compile_fullgraph():
+    torch.manual_seed(0)
+    assert_compiled_matches_eager(2, 512, 4, 64, torch.bfloat16, "cuda", tol=2e-2)
+
+
+def test_autotuned_choice_is_correct(monkeypatch):
+    # a shape no other test uses, so its tuning key is new and the tuner really benchmarks
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(2, 6, 6, 1536, 1536, 64, torch.float16, device="cuda"), causal=True)
