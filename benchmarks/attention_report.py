@@ -8,7 +8,11 @@ one line per backend) and memory.png (peak fwd+bwd memory against T, log scale).
 """
 import argparse
 import json
+import sys
 from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
 from benchmarks.report import fmt, markdown_table, pyplot, write_csv
 

@@ -9,7 +9,11 @@ writes beside it) and writes comparison.json, comparison.md and loss.png to <out
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
 from benchmarks.report import fmt, markdown_table, pyplot, write_json
 
