@@ -259,16 +259,19 @@ def run(args) -> Path:
     out_dir = Path(args.out_dir or default_out_dir(device))
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"
-    rows = []
+    env, rows = environment(device), []
     if args.resume and results_path.exists():
         earlier = json.loads(results_path.read_text())
-        if earlier["settings"]["dtype"] != args.dtype:
-            raise SystemExit(f"{results_path} holds {earlier['settings']['dtype']} results; resume with --dtype {earlier['settings']['dtype']}")
+        # one table must come from one setup: refuse to mix in cells from another GPU, dtype or version
+        then = {"dtype": earlier["settings"]["dtype"], **{k: earlier["env"][k] for k in ("gpu", "torch", "triton")}}
+        now = {"dtype": args.dtype, **{k: env[k] for k in ("gpu", "torch", "triton")}}
+        if then != now:
+            raise SystemExit(f"{results_path} was measured with {then}, this run has {now}; use another --out_dir")
         rows = earlier["rows"]
     done = {(r["backend"], r["B"], r["nh"], r["T"], r["hs"], r["causal"], r["pass"]) for r in rows}
 
     results = {
-        "env": environment(device),
+        "env": env,
         "settings": {
             "dtype": args.dtype,
             "passes": args.passes,

@@ -99,12 +99,16 @@ def summarize(runs: dict[str, dict], reference: str, skip_steps: int) -> dict:
         ms = row["median_step_ms"]
         row["speedup_vs_naive"] = naive_ms / ms if naive_ms and ms else None
     first_meta = next((run["meta"] for run in runs.values() if "env" in run["meta"]), {})
+    # backends run by separate commands into one folder must still share every other setting
+    arg_sets = {tuple(run["meta"]["train_args"]) for run in runs.values() if "train_args" in run["meta"]}
+    warnings = [f"the runs were started with different train.py arguments: {sorted(arg_sets)}"] if len(arg_sets) > 1 else []
     return {
         "reference": reference,
         "skip_steps": skip_steps,
         "group": first_meta.get("group"),
         "env": first_meta.get("env"),
         "train_args": first_meta.get("train_args"),
+        "warnings": warnings,
         "backends": backends,
     }
 
@@ -136,6 +140,7 @@ def markdown(summary: dict) -> str:
         f"- diffs: largest |loss(backend) - loss({ref})| over the steps both logged (same seed, same data order)",
         f"- step time, tokens/s, MFU: medians over the logged steps >= {summary['skip_steps']} that train.py did not "
         "flag as warm-up (those pay for compilation and cold caches); peak memory: the largest logged\n",
+        *(f"**Warning: {w}**\n" for w in summary["warnings"]),
         "## Per backend\n",
         markdown_table(["backend", *(h for h, _, _ in COLUMNS), "status"], rows),
     ]

@@ -211,9 +211,13 @@ def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
     assert b["compile"]["status"].startswith("failed: train.py exited with 1") and b["compile"]["median_step_ms"] is None
 
     assert b["triton"]["timed_steps"] == 4
+    assert summary["warnings"] == []  # every run.json has the same train.py arguments
     assert compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", skip_steps=3)["backends"]["triton"]["timed_steps"] == 2
 
     assert json.loads((tmp_path / "comparison.json").read_text()) == summary
+    meta = json.loads((tmp_path / "naive" / "run.json").read_text())
+    (tmp_path / "naive" / "run.json").write_text(json.dumps({**meta, "train_args": ["c.py", "--max_steps=9"]}))
+    assert "different train.py arguments" in compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", 0)["warnings"][0]
     assert (tmp_path / "loss.png").stat().st_size > 0
     header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per backend")
     for row in rows:
