@@ -125,9 +125,9 @@ def markdown(res: Results) -> str:
 
 def plot(res: Results, pass_: str, key: str, ylabel: str, path: Path, log_y: bool) -> None:
     head_dims, causals = res.grid_panels()
-    if not head_dims:
+    plt = pyplot() if head_dims else None
+    if plt is None:
         return
-    plt = pyplot()
     fig, axes = plt.subplots(len(head_dims), len(causals), figsize=(6 * len(causals), 4 * len(head_dims)), squeeze=False)
     for ax_row, hs in zip(axes, head_dims):
         for ax, causal in zip(ax_row, causals):

@@ -149,6 +149,8 @@ def markdown(summary: dict) -> str:
 
 def plot_losses(runs: dict[str, dict], reference: str, path: Path) -> None:
     plt = pyplot()
+    if plt is None:
+        return
     fig, (curves, diffs) = plt.subplots(1, 2, figsize=(13, 4.5))
     ref_losses = {s: r["train_loss"] for s, r in runs[reference]["train"].items()}
     for i, (name, run) in enumerate(runs.items()):

@@ -2,6 +2,7 @@
 CSV/JSON writing and a headless matplotlib."""
 import csv
 import datetime
+import functools
 import json
 import os
 import platform
@@ -90,10 +91,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+@functools.cache  # import and say so once
 def pyplot():
-    """matplotlib.pyplot drawing to files only: the GPU box and CI have no display."""
-    import matplotlib
-
+    """matplotlib.pyplot drawing to files only (the GPU box and CI have no display), or None without
+    matplotlib: the measurements and tables must not be lost to a missing plotting library."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib, then re-run the report)")
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
