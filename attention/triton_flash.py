@@ -58,6 +58,7 @@ SMEM_BUDGET = 200 * 1024
 
 
 def head_dim_class(block_d: int) -> int:
+    # heads of 16 and 32 take the 64 tiles: their tiles are small whatever the row counts
     return max(64, block_d)
 
 

@@ -165,9 +165,10 @@ def _bad(D=32, dtype=torch.float32, **changes):
         (_bad(k=torch.randn(1, 2, 37, 16), v=torch.randn(1, 2, 37, 16)), ValueError, "head_dim 32 but k/v have 16"),
         (_bad(v=torch.randn(1, 2, 37, 32, dtype=torch.float16)), TypeError, "must share one dtype"),
         (_bad(q=torch.randn(1, 3, 37, 32)), ValueError, "multiple of the number of key/value heads"),
+        (_bad(k=torch.randn(1, 2, 37, 32, device="meta")), ValueError, "must be on one device"),
         (_bad(scale=-1.0), ValueError, "scale must be a positive number"),
     ],
-    ids=["head_dim_small", "head_dim_large", "float64", "head_dims_differ", "dtypes_differ", "heads", "scale"],
+    ids=["head_dim_small", "head_dim_large", "float64", "head_dims_differ", "dtypes_differ", "heads", "devices", "scale"],
 )
 def test_bad_input_errors(inputs, error, message):
     with pytest.raises(error, match=re.escape(message)):
