@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The commands we run on the lent GPU machine (H200), one stage per call:
+#   bash benchmarks/gpu_session.sh env|tests|bench|train [extra args for that stage]
+# Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
+# Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stage=${1:?stage: env|tests|bench|train}; shift
+
+log() { tee -a "$OUT/$stage.log"; }
+
+python3 - <<'PY' 2>&1 | log
+import datetime, subprocess, torch, triton
+print(datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+PY
+
+case $stage in
+env) ;;
+tests)  # every GPU-marked test: the kernel's float64 checks in bf16/fp16, determinism, compile
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 tests "$@" 2>&1 | log ;;
+bench)  # the kernel benchmark; args go to benchmarks.attention (e.g. --backends ... --seq_lens ...)
+  # .gpu_carry/bench/results.json from an earlier call lets --resume skip cells already measured
+  mkdir -p out/bench && cp -n .gpu_carry/bench/results.json out/bench/ 2>/dev/null
+  TRITON_PRINT_AUTOTUNING=1 timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.attention --resume \
+    --out_dir out/bench "$@" 2>&1 | grep -v "it/s]" | log
+  tar czf "$OUT/bench.tgz" -C out bench
+  tail -60 out/bench/results.md ;;
+train)  # tiny shakespeare prep, then the training comparison; args go to benchmarks.compare
+  export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
+  python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
+  timeout "${TRAIN_TIMEOUT:-540}" python3 -m benchmarks.compare --out_dir out/compare --wandb=false "$@" 2>&1 \
+    | grep -v "it/s]" | log
+  tar czf "$OUT/compare.tgz" -C out compare --exclude=ckpt.pt
+  cat out/compare/comparison.md ;;
+*) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
