@@ -36,7 +36,7 @@ train)  # tiny shakespeare prep, then the training comparison; args go to benchm
   python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
   timeout "${TRAIN_TIMEOUT:-540}" python3 -m benchmarks.compare --out_dir out/compare --wandb=false "$@" 2>&1 \
     | grep -v "it/s]" | log
-  tar czf "$OUT/compare.tgz" -C out compare --exclude=ckpt.pt
+  tar czf "$OUT/compare.tgz" --exclude=ckpt.pt -C out compare
   cat out/compare/comparison.md ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
