@@ -28,7 +28,7 @@ from model import GPT, GPTConfig
 from training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
 from training.distributed import (World, close_process_group, gather_to_main, init_process_group,
-                                  sum_across_ranks, world_from_env)
+                                  sum_across_ranks, wait_for_all_ranks, world_from_env)
 from training.logger import RunLogger, format_step, peak_flops
 
 CHECKPOINT_NAME = "ckpt.pt"
@@ -164,6 +164,9 @@ def train(cfg: TrainConfig) -> None:
     init_process_group(world, device)
     try:
         run(cfg, world, device)
+        # rank 0 is still writing the checkpoint; gloo can abort a rank that tears the group down
+        # while another still uses it, so all leave together (not after an error: that would hang)
+        wait_for_all_ranks()
     finally:
         close_process_group()
 
@@ -220,17 +223,47 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}, {device}, {dtype}, "
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
               f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else ""))
+    del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
     def save(step: int) -> None:
         rng = gather_to_main(rng_state())  # a collective: every rank takes part
         if world.is_main:
             save_checkpoint({
-                "model": raw_model.state_dict(),  # the unwrapped module: no DDP `module.` or compile `_orig_mod.` prefixes
+                # the unwrapped module: no DDP `module.` or torch.compile `_orig_mod.` key prefixes
+                "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                 "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
                 "step": step, "best_val_loss": best_val_loss, "train_loader": train_loader.state_dict(),
                 "rng": rng, "wandb_run_id": logger.wandb_run_id,
             }, ckpt_path)
+
+    def optimizer_step(lr: float, stop_requested: bool) -> tuple[float, torch.Tensor, float]:
+        """One update over grad_accum micro-batches; returns the loss averaged over the whole batch and
+        all ranks, the pre-clip gradient norm, and how many ranks were asked to stop."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum):
+            x, y = train_loader.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # DDP all-reduces gradients in every backward: only the last micro-step's is needed
+            last_micro = micro_step == grad_accum - 1
+            with nullcontext() if last_micro or not ddp else model.no_sync():
+                with autocast:
+                    _, loss = model(x, y)
+                loss_sum += loss.detach()
+                scaler.scale(loss / grad_accum).backward()  # / grad_accum: the mean over the whole batch
+        scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+        scaler.step(optimizer)
+        scaler.update()
+        # one all-reduce carries both the loss to log and the stop requests, so that all ranks stop
+        # after the same step
+        stop_flag = torch.tensor(float(stop_requested), device=device)
+        shared = sum_across_ranks(torch.stack([loss_sum / grad_accum, stop_flag]))
+        loss_total, stop_votes = shared.tolist()
+        return loss_total / world.size, grad_norm, stop_votes
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not world.is_main, dynamic_ncols=True)
     step, stopped_by = start_step, None
@@ -255,30 +288,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=device)
-            for micro_step in range(grad_accum):
-                x, y = train_loader.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                # DDP all-reduces gradients in every backward: only the last micro-step's is needed
-                last_micro = micro_step == grad_accum - 1
-                with nullcontext() if last_micro or not ddp else model.no_sync():
-                    with autocast:
-                        _, loss = model(x, y)
-                    loss_sum += loss.detach()
-                    scaler.scale(loss / grad_accum).backward()  # / grad_accum: the mean over the whole batch
-            scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-            scaler.step(optimizer)
-            scaler.update()
-            # one all-reduce carries both the loss to log and whether any rank was signalled to stop,
-            # so that all ranks stop after the same step
-            shared = sum_across_ranks(torch.stack([loss_sum / grad_accum, torch.tensor(
-                float(stop.signum is not None), device=device)]))
-            loss_total, stop_votes = shared.tolist()
-            train_loss = loss_total / world.size
+            train_loss, grad_norm, stop_votes = optimizer_step(lr, stop.signum is not None)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
@@ -311,7 +321,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         logger.close()
         status = f"stopped by {stopped_by}" if stopped_by else "done"
         best = f"best val loss {best_val_loss:.4f}; " if best_val_loss < math.inf else ""
-        print(f"{status} at step {step}; {best}checkpoint {ckpt_path}" + ("; continue with --resume" if stopped_by else ""))
+        resume_hint = "; continue with --resume" if stopped_by else ""
+        print(f"{status} at step {step}; {best}checkpoint {ckpt_path}{resume_hint}")
 
 
 def main(argv: list[str]) -> None:

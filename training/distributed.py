@@ -48,6 +48,11 @@ def gather_to_main(obj) -> list:
     return out
 
 
+def wait_for_all_ranks() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def close_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -61,7 +61,8 @@ class RunLogger:
         self.metrics = open(self.metrics_path, "w")
         self.metrics.writelines(kept)
         self.metrics.flush()
-        self.samples = open(os.path.join(cfg.out_dir, "samples.txt"), "a" if cfg.resume else "w")
+        samples_path = os.path.join(cfg.out_dir, "samples.txt")
+        self.samples = open(samples_path, "a" if cfg.resume else "w") if cfg.sample_interval else None
         self.wandb_run = self._start_wandb(cfg, wandb_run_id) if cfg.wandb else None
 
     def _records_before(self, step: int) -> list[str]:
@@ -117,6 +118,7 @@ class RunLogger:
 
     def close(self) -> None:
         self.metrics.close()
-        self.samples.close()
+        if self.samples:
+            self.samples.close()
         if self.wandb_run:
             self.wandb_run.finish()
