@@ -146,7 +146,7 @@ def sample_text(model: GPT, prompt: list[int], cfg: TrainConfig, step: int, auto
     # Sampling draws from the global RNG; forking it keeps training's random stream, and so a
     # resumed run, the same whether or not samples were taken. The uncompiled model is used on
     # purpose: every new length would make a compiled one recompile.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
         torch.manual_seed(cfg.seed + step)
         model.eval()
         with autocast:

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import train
+from model import GPT, GPTConfig
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import ConfigError, TrainConfig, parse_args
+from training.logger import RunLogger, peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 64
@@ -69,6 +71,17 @@ def cli_flags(**settings) -> list[str]:
     return [f"--{k}={v}" for k, v in settings.items()]
 
 
+def test_resumed_metrics_keep_one_curve(tmp_path):
+    # what a run killed after its step-3 checkpoint leaves: records up to step 5 and a half-written line
+    lines = [{"step": s, "train_loss": 1.0 / (s + 1)} for s in range(6)] + [{"step": 3, "val_loss": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "tr')
+    logger = RunLogger(TrainConfig(out_dir=str(tmp_path), resume=True, wandb=False), 3, None)
+    logger.log_val(3, 0.25, "sdpa")
+    logger.close()
+    kept = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert kept == lines[:3] + [{"step": 3, "val_loss": 0.25, "attn": "sdpa"}]
+
+
 def test_a_few_steps_lower_the_loss(tmp_path, data_dir):
     train.train(tiny_config(tmp_path, data_dir, max_steps=30, eval_interval=15))
     records, vals = read_metrics(tmp_path)
@@ -114,6 +127,21 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
     np.testing.assert_allclose([r["train_loss"] for r in accum], [r["train_loss"] for r in big], rtol=1e-5)
 
 
+def test_init_from_a_weights_file_starts_from_those_weights(tmp_path, data_dir):
+    torch.manual_seed(1)
+    source = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB))
+    # saved in Hugging Face's GPT-2 layout, whose Conv1D layers store their weights transposed
+    conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    torch.save({k: v.t() if k.endswith(conv1d) else v for k, v in source.state_dict().items()}, tmp_path / "w.pt")
+    (tmp_path / "config.json").write_text('{"n_head": 2}')
+    tokens = torch.from_numpy(np.load(Path(data_dir) / "train_000000.npy")[:4 * 16 + 1].astype(np.int64))
+    _, first_loss = source(tokens[:-1].view(4, 16), tokens[1:].view(4, 16))
+
+    train.train(tiny_config(tmp_path / "run", data_dir, init_from=str(tmp_path / "w.pt"), max_steps=2))
+    assert read_metrics(tmp_path / "run")[0][0]["train_loss"] == pytest.approx(first_loss.item(), rel=1e-6)
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["model_config"]["n_layer"] == 1  # not TINY's 2
+
+
 def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
     # same global batch: 2 ranks x 2 micro-steps x 1 sequence here (so no_sync is exercised), 1 process
     # x 4 sequences below
@@ -147,6 +175,17 @@ def test_minimal_loop_runs_train_py_settings(data_dir, capsys):
     median_ms = minimal_loop.main(cli_flags(**{**TINY, "data_dir": data_dir, "max_steps": 5}))
     assert median_ms > 0
     assert "minimal loop, attn=sdpa, B=4, T=16, cpu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpu_name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA A10G", 70e12),
+    ("NVIDIA GeForce RTX 4090", 165e12), ("Tesla T4", None),
+])
+def test_mfu_peak_is_looked_up_by_gpu_name(monkeypatch, gpu_name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu_name)
+    assert peak_flops(torch.device("cuda:0")) == peak
+    assert peak_flops(torch.device("cpu")) is None
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -226,6 +265,7 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
     (["--min_lr=1e-2", "--learning_rate=1e-3"], "need 0 <= min_lr <= learning_rate"),
     (["--beta2=1.5"], "beta2 must be in [0, 1)"),
     (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),
+    (["batch_size=8"], "'batch_size=8' is neither a config file nor a flag; flags are written --key=value"),
 ])
 def test_bad_settings_name_the_problem(argv, message):
     with pytest.raises(ConfigError) as err:

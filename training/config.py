@@ -74,7 +74,8 @@ class TrainConfig:
         self._check_values()
 
     def _check_values(self):
-        positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval", "sample_tokens")
+        positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval",
+                    "sample_tokens")
         non_negative = ("n_layer", "n_head", "n_embd", "total_batch_size", "warmup_steps", "lr_decay_steps",
                         "eval_interval", "sample_interval", "checkpoint_interval")
         for name in positive:
@@ -105,7 +106,8 @@ class TrainConfig:
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ConfigError(f"unknown device={self.device!r}; choose one of: auto, cpu, cuda, cuda:N")
         if self.wandb and importlib.util.find_spec("wandb") is None:
-            raise ConfigError("wandb=true but the wandb package is not installed: pip install wandb, or pass --wandb=false")
+            raise ConfigError("wandb=true but the wandb package is not installed: "
+                              "pip install wandb, or pass --wandb=false")
         if self.init_from == "scratch":
             self.gpt_config()  # GPTConfig checks the model shape (n_embd divisible by n_head, ...)
 
@@ -191,6 +193,8 @@ def parse_args(argv: list[str]) -> TrainConfig:
     values = {}
     for arg in argv:
         if not arg.startswith("--"):
+            if "=" in arg and not os.path.isfile(arg):
+                raise ConfigError(f"{arg!r} is neither a config file nor a flag; flags are written --key=value")
             values.update(read_config_file(arg))
             continue
         key, has_value, text = arg[2:].partition("=")

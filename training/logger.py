@@ -66,10 +66,17 @@ class RunLogger:
         self.wandb_run = self._start_wandb(cfg, wandb_run_id) if cfg.wandb else None
 
     def _records_before(self, step: int) -> list[str]:
-        if not os.path.isfile(self.metrics_path):
-            return []
-        with open(self.metrics_path) as f:
-            return [line for line in f if line.strip() and json.loads(line)["step"] < step]
+        kept = []
+        if os.path.isfile(self.metrics_path):
+            with open(self.metrics_path) as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # blank, or cut off by the crash
+                        continue
+                    if record["step"] < step:
+                        kept.append(json.dumps(record) + "\n")
+        return kept
 
     @staticmethod
     def _start_wandb(cfg, run_id: str | None):
