@@ -93,12 +93,7 @@ class TrainConfig:
         if self.warmup_steps > self.decay_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} is past the end of the decay at step "
                               f"{self.decay_steps} (lr_decay_steps, or max_steps when it is 0); shorten the warmup")
-        tokens_per_micro_batch = self.batch_size * self.block_size
-        if self.total_batch_size % tokens_per_micro_batch:
-            raise ConfigError(
-                f"total_batch_size={self.total_batch_size} is not a multiple of batch_size * block_size = "
-                f"{self.batch_size} * {self.block_size} = {tokens_per_micro_batch}; pick a total that is "
-                "(or 0 for no gradient accumulation)")
+        self.grad_accum_steps(world_size=1)  # the process count is known at launch, and checked again then
         if self.attn not in available_backends():
             raise ConfigError(f"unknown attn={self.attn!r}; choose one of: {', '.join(available_backends())}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -132,7 +127,7 @@ class TrainConfig:
             raise ConfigError(
                 f"total_batch_size={self.total_batch_size} is not a multiple of batch_size * block_size * "
                 f"world_size = {self.batch_size} * {self.block_size} * {world_size} = {per_step}; "
-                "change total_batch_size, batch_size or the number of processes")
+                "change total_batch_size (0 means no accumulation), batch_size or the number of processes")
         return self.total_batch_size // per_step
 
 
