@@ -265,7 +265,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         loss_total, stop_votes = shared.tolist()
         return loss_total / world.size, grad_norm, stop_votes
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not world.is_main, dynamic_ncols=True)
+    # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
     step, stopped_by = start_step, None
     with StopSignal() as stop:
         while True:
