@@ -1,0 +1,73 @@
+"""Host (CPU) time per attention call, layer by layer, next to the GPU time of the same call.
+
+A kernel whose host-side launch path takes longer than its GPU work leaves the GPU idle between
+calls: at small shapes (GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets the speed.
+
+    python -m benchmarks.launch_overhead            # GPT-2 shape, bf16
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch
+import triton
+
+from attention import attention
+from attention import triton_flash
+from attention.triton_op import flash_attn_fwd
+
+
+def host_us(fn, calls=200) -> float:
+    """Mean host time per call with the GPU kept busy, so no call waits for the device."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e6 * host / calls
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="16,12,1024,64", help="B,nh,T,hs")
+    args = p.parse_args()
+    B, nh, T, hs = map(int, args.shape.split(","))
+    q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
+    q, k, v = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))  # (B, nh, T, hs) views, as in the model
+    scale = hs ** -0.5
+    o, lse = triton_flash.forward(q.detach(), k.detach(), v.detach(), True, scale)
+    do = torch.randn_like(o)
+
+    def fwd_bwd(backend):
+        def run():
+            attention(q, k, v, causal=True, backend=backend).backward(do)
+        return run
+
+    with torch.no_grad():
+        cases = {
+            "triton_flash.forward (launch only)": lambda: triton_flash.forward(q, k, v, True, scale),
+            "custom op nanoflash::flash_attn_fwd": lambda: flash_attn_fwd(q, k, v, True, scale),
+            "attention(backend=triton), no grad": lambda: attention(q, k, v, backend="triton"),
+            "attention(backend=sdpa), no grad": lambda: attention(q, k, v, backend="sdpa"),
+        }
+        rows = [(name, host_us(fn), triton.testing.do_bench(fn, return_mode="median") * 1e3) for name, fn in cases.items()]
+    rows.append(("triton_flash.backward (launch only)", host_us(lambda: triton_flash.backward(do, q, k, v, o, lse, True, scale)),
+                 triton.testing.do_bench(lambda: triton_flash.backward(do, q, k, v, o, lse, True, scale), return_mode="median") * 1e3))
+    for backend in ("triton", "sdpa"):
+        fn = fwd_bwd(backend)
+        rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
+
+    print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
+    print(f"| call | host us/call | do_bench us |\n|---|---|---|")
+    for name, host, gpu in rows:
+        print(f"| {name} | {host:.0f} | {gpu:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
