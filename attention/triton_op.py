@@ -2,7 +2,7 @@
 
 nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are torch.library custom ops with fake
 (meta) implementations, so torch.compile(fullgraph=True) traces straight through them without a
-graph break, and the backward op is wired to the forward with register_autograd.
+graph break; FlashAttentionFunction wires the backward op to the forward for autograd.
 
     from attention.triton_op import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
@@ -43,21 +43,25 @@ def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.causal, ctx.scale = causal, scale
-    ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd for the two ops. A plain autograd.Function rather than the ops' register_autograd:
+    in eager mode that path cost ~0.7 ms of host time per forward+backward on an H200 (measured
+    with benchmarks/launch_overhead.py), several times the kernels' own GPU time at GPT-2's shape.
+    torch.compile traces through this Function and keeps the ops as opaque nodes."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float):
+        o, lse = flash_attn_fwd(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
+        return o, lse
 
-def _backward(ctx, do, _dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
-
-
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 def _check_kernel_support(q: torch.Tensor) -> None:
@@ -103,5 +107,5 @@ def flash_attention(
     _check_kernel_support(q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    out, lse = flash_attn_fwd(q, k, v, causal, float(scale))
+    out, lse = FlashAttentionFunction.apply(q, k, v, causal, float(scale))
     return (out, lse) if return_lse else out
