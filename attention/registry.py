@@ -12,9 +12,9 @@ from .validate import check_qkv
 def _triton_attention(q, k, v, causal: bool, scale: float):
     # Imported on first use: Triton decides at import time whether its kernels run compiled on the
     # GPU or in the CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
-    from .triton_op import flash_attention
+    from .triton_op import triton_attention
 
-    return flash_attention(q, k, v, causal=causal, scale=scale)
+    return triton_attention(q, k, v, causal, scale)
 
 
 # name -> fn(q, k, v, causal, scale) on validated (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors

@@ -3,10 +3,10 @@ points to its sections).
 
 Kernels, in the order a training step runs them:
   _attn_fwd        a program per (query tile, batch*head): O and each row's log-sum-exp (§3, §4)
-  _attn_bwd_delta  Delta = rowsum(dO * O) for every query row (§5)
+  _attn_bwd_dq     a program per (query tile, batch*head): dQ, and Delta = rowsum(dO * O) for
+                   its rows (§5)
   _attn_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV summed over the query heads
-                   of its group (§5, §7)
-  _attn_bwd_dq     a program per (query tile, batch*head): dQ (§5)
+                   of its group (§5, §7); reads the Delta the dQ kernel wrote
 No atomics: each output element is written by exactly one program, in a fixed order, so the
 gradients are bit-identical from run to run.
 
@@ -257,23 +257,6 @@ def _attn_fwd(Q, K, V, O, LSE,
 # with P recomputed tile by tile from the saved log-sum-exp.
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA,
-                    stride_ob, stride_oh, stride_ot, stride_od,
-                    stride_dob, stride_doh, stride_dot, stride_dod,
-                    H, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    # §5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i: one dot product per row instead of a row of P
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    cols = tl.arange(0, BLOCK_D)
-    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), rows, Tq, stride_ot, cols, stride_od, HEAD_DIM, True)
-    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), rows, Tq, stride_dot, cols, stride_dod,
-                    HEAD_DIM, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (M,)
-    tl.store(DELTA + bh.to(tl.int64) * Tq + rows, delta, mask=rows < Tq)
-
-
-@triton.jit
 def _dkdv_inner(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, cols,
                 start, end, Tq, Tk, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
@@ -370,10 +353,11 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_
 
 @_autotune("dq")
 @triton.jit
-def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
+def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  stride_qb, stride_qh, stride_qt, stride_qd,
                  stride_kb, stride_kh, stride_kt, stride_kd,
                  stride_vb, stride_vh, stride_vt, stride_vd,
+                 stride_ob, stride_oh, stride_ot, stride_od,
                  stride_dob, stride_doh, stride_dot, stride_dod,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                  H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
@@ -392,7 +376,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
     do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols, stride_dod,
                     HEAD_DIM, True)  # (M, D)
     lse2 = tl.load(LSE + bh.to(tl.int64) * Tq + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Tq + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
+    # §5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i: one D-long dot product per row. This kernel
+    # holds the rows' dO anyway, so it computes Delta here and stores it for the dK/dV kernel,
+    # which runs next (a separate pre-pass would cost a launch and a second read of dO).
+    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), q_pos, Tq, stride_ot, cols, stride_od,
+                   HEAD_DIM, True)  # (M, D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (M,)
+    tl.store(DELTA + bh.to(tl.int64) * Tq + q_pos, delta, mask=q_pos < Tq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
@@ -408,9 +398,6 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, LSE, DELTA,
 # ---------------------------------------------------------------------------------------------
 # Launchers: q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), any strides
 # ---------------------------------------------------------------------------------------------
-DELTA_BLOCK_M = 64  # the Delta pre-pass only streams O and dO once; its tile size hardly matters
-
-
 def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
     """Uninitialised (B, H, T, D) stored as (B, T, H, D): the model's y.transpose(1, 2) of it is
     contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads)."""
@@ -462,9 +449,13 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Ten
     constants = _constants(q, causal)
     seq_args = _seq_args(q, k, scale)
 
-    _attn_bwd_delta[(triton.cdiv(Tq, DELTA_BLOCK_M), B * Hq)](
-        o, do, delta, *o.stride(), *do.stride(), Hq, Tq,
-        HEAD_DIM=D, BLOCK_D=constants["BLOCK_D"], BLOCK_M=DELTA_BLOCK_M)
+    def grid_q(meta):
+        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
+
+    # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
+    _attn_bwd_dq[grid_q](q, k, v, o, do, dq, lse, delta,
+                         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
+                         *seq_args, **constants)
 
     def grid_kv(meta):
         return triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv
@@ -472,11 +463,4 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Ten
     _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta,
                             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
                             *seq_args, **constants)
-
-    def grid_q(meta):
-        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
-
-    _attn_bwd_dq[grid_q](q, k, v, do, dq, lse, delta,
-                         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                         *seq_args, **constants)
     return dq, dk, dv

@@ -43,24 +43,38 @@ def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
+def _fwd(q, k, v, causal: bool, scale: float):
+    # Under torch.compile the custom op keeps the kernel one opaque node with a fake impl. In eager
+    # mode the launcher is called directly: a custom op call passes through ~8 Python frames
+    # (autograd fallback, redispatch, dynamo guard), and at GPT-2's shape on the H200 box the host
+    # time of those layers exceeded the kernels' GPU time (benchmarks/launch_overhead.py).
+    if torch.compiler.is_compiling():
+        return flash_attn_fwd(q, k, v, causal, scale)
+    return triton_flash.forward(q, k, v, causal, scale)
+
+
+def _bwd(do, q, k, v, o, lse, causal: bool, scale: float):
+    if torch.compiler.is_compiling():  # as in _fwd
+        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
+    return triton_flash.backward(do, q, k, v, o, lse, causal, scale)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for the two ops. A plain autograd.Function rather than the ops' register_autograd:
-    in eager mode that path cost ~0.7 ms of host time per forward+backward on an H200 (measured
-    with benchmarks/launch_overhead.py), several times the kernels' own GPU time at GPT-2's shape.
-    torch.compile traces through this Function and keeps the ops as opaque nodes."""
+    """Autograd for the kernels; torch.compile traces through it to the custom ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = flash_attn_fwd(q, k, v, causal, scale)
+        o, lse = _fwd(q, k, v, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
+        ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -104,8 +118,13 @@ def flash_attention(
     each row's scaled scores (+inf for a row that sees no key; not differentiable).
     """
     check_qkv(q, k, v, scale)
-    _check_kernel_support(q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    out, lse = FlashAttentionFunction.apply(q, k, v, causal, float(scale))
+    return triton_attention(q, k, v, causal, float(scale), return_lse)
+
+
+def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False):
+    """flash_attention for inputs that already passed check_qkv (the registry checks them once)."""
+    _check_kernel_support(q)
+    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale)
     return (out, lse) if return_lse else out
