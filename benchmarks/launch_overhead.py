@@ -36,6 +36,7 @@ def host_us(fn, calls=200) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="16,12,1024,64", help="B,nh,T,hs")
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's table of triton fwd+bwd")
     args = p.parse_args()
     B, nh, T, hs = map(int, args.shape.split(","))
     q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
@@ -62,6 +63,15 @@ def main():
     for backend in ("triton", "sdpa"):
         fn = fwd_bwd(backend)
         rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
+
+    if args.profile:
+        fn = fwd_bwd("triton")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
     print(f"| call | host us/call | do_bench us |\n|---|---|---|")
