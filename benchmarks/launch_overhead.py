@@ -6,6 +6,8 @@ calls: at small shapes (GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets 
     python -m benchmarks.launch_overhead            # GPT-2 shape, bf16
 """
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,8 @@ def host_us(fn, calls=200) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="16,12,1024,64", help="B,nh,T,hs")
-    p.add_argument("--profile", action="store_true", help="also print torch.profiler's table of triton fwd+bwd")
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's table and cProfile's top Python functions of triton fwd+bwd")
     args = p.parse_args()
     B, nh, T, hs = map(int, args.shape.split(","))
     q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
@@ -72,6 +75,12 @@ def main():
                 fn()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        # cProfile sees one thread: run the backward on this one (autograd uses a worker thread per GPU)
+        with torch.autograd.set_multithreading_enabled(False):
+            print(f"fwd+bwd, autograd on the calling thread: {host_us(fn):.0f} host us/call")
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [fn() for _ in range(100)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
     print(f"| call | host us/call | do_bench us |\n|---|---|---|")
