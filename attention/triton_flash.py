@@ -13,7 +13,6 @@ gradients are bit-identical from run to run.
 Shape comments: M = BLOCK_M query rows, N = BLOCK_N key rows, D = BLOCK_D, the head dim padded to
 a power of two (columns >= HEAD_DIM load as 0 and are never stored, so nothing is copied).
 """
-import functools
 import os
 
 import torch
@@ -74,34 +73,45 @@ def smem_bytes(kernel: str, tile: tuple, block_d: int, elem_bytes: int) -> int:
     return (held + stages * streamed) * block_d * elem_bytes
 
 
-def prune_tiles(kernel: str, configs, named_args, **kwargs):
-    """Keep the configs meant for this head dim that fit in shared memory for this dtype, in table
-    order, so the first call per tuning key benchmarks 2-4 configs instead of every candidate.
-    NANOFLASH_AUTOTUNE=0 keeps only the first (no benchmarking, e.g. for quick tests)."""
-    args = {**named_args, **kwargs}
-    block_d, elem_bytes = args["BLOCK_D"], args["Q"].element_size()
-    by_tile = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c for c in configs}
-    kept = [
-        by_tile[tile] for tile in HOPPER_TILES[kernel][head_dim_class(block_d)]
-        if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET
-    ]
+def candidate_tiles(kernel: str, block_d: int, elem_bytes: int) -> list[tuple]:
+    """The tiles worth timing for one call: its head-dim class's candidates that fit in shared
+    memory for this dtype, in table order (2-4 of them, so first-call tuning stays short).
+    NANOFLASH_AUTOTUNE=0 keeps only the first (no timing, e.g. for quick tests)."""
+    if INTERPRET:
+        return [INTERPRETER_TILES[kernel]]
+    kept = [tile for tile in HOPPER_TILES[kernel][head_dim_class(block_d)]
+            if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET]
     return kept[:1] if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" else kept
 
 
-def _config(tile: tuple) -> triton.Config:
+# tuning key -> fastest tile. The key holds the sequence lengths as power-of-two buckets, so a new
+# T reuses the choice of its bucket instead of timing the candidates again.
+_best_tile: dict[tuple, tuple] = {}
+
+
+def _launch(kernel: str, jit_fn, grid_of_tile, args: tuple, constants: dict, Tq: int, Tk: int, dtype) -> None:
+    """Launch jit_fn with the fastest tile for this call's key, timing the candidates on first use (§9).
+
+    Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
+    and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
+    GPT-2's shape on the H200 box (benchmarks/launch_overhead.py); here the key is a small tuple."""
+    key = (kernel, constants["HEAD_DIM"], constants["CAUSAL"], dtype,
+           triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
+    tile = _best_tile.get(key)
+    if tile is None:
+        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize)
+
+        def run(tile):
+            block_m, block_n, warps, stages = tile
+            jit_fn[grid_of_tile(block_m, block_n)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                   num_warps=warps, num_stages=stages)
+
+        tile = candidates[0] if len(candidates) == 1 else min(
+            candidates, key=lambda t: triton.testing.do_bench(lambda: run(t), warmup=5, rep=20, return_mode="median"))
+        _best_tile[key] = tile
     block_m, block_n, warps, stages = tile
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-
-
-def _autotune(kernel: str):
-    # The sequence lengths enter the key as power-of-two buckets, so a new T reuses the tuning of
-    # its bucket. Triton appends every tensor argument's dtype to the key by itself.
-    key = ["HEAD_DIM", "CAUSAL", "Q_BUCKET", "K_BUCKET"]
-    if INTERPRET:
-        return triton.autotune([_config(INTERPRETER_TILES[kernel])], key=key)
-    tiles = sorted({tile for by_dim in HOPPER_TILES[kernel].values() for tile in by_dim})
-    prune = functools.partial(prune_tiles, kernel)
-    return triton.autotune([_config(t) for t in tiles], key=key, prune_configs_by={"early_config_prune": prune})
+    jit_fn[grid_of_tile(block_m, block_n)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
+                                           num_warps=warps, num_stages=stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,14 +219,13 @@ def _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, s
     return acc, m_i, l_i
 
 
-@_autotune("fwd")
 @triton.jit
 def _attn_fwd(Q, K, V, O, LSE,
               stride_qb, stride_qh, stride_qt, stride_qd,
               stride_kb, stride_kh, stride_kt, stride_kd,
               stride_vb, stride_vh, stride_vt, stride_vd,
               stride_ob, stride_oh, stride_ot, stride_od,
-              H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+              H, GROUP, Tq, Tk, scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -281,7 +290,6 @@ def _dkdv_inner(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, stride_qt, stride_qd, st
     return dk, dv
 
 
-@_autotune("dkdv")
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_qb, stride_qh, stride_qt, stride_qd,
@@ -290,7 +298,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_dob, stride_doh, stride_dot, stride_dod,
                    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
-                   H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+                   H, GROUP, Tq, Tk, scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -351,7 +359,6 @@ def _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_
     return dq
 
 
-@_autotune("dq")
 @triton.jit
 def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  stride_qb, stride_qh, stride_qt, stride_qd,
@@ -360,7 +367,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  stride_ob, stride_oh, stride_ot, stride_od,
                  stride_dob, stride_doh, stride_dot, stride_dod,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-                 H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET,
+                 H, GROUP, Tq, Tk, scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -416,25 +423,16 @@ def _constants(q: torch.Tensor, causal: bool) -> dict:
     )
 
 
-def _seq_args(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple:
-    """(H, GROUP, Tq, Tk, scale, Q_BUCKET, K_BUCKET) as every tuned kernel takes them."""
-    Hq, Tq = q.shape[1], q.shape[2]
-    Hkv, Tk = k.shape[1], k.shape[2]
-    return Hq, Hq // Hkv, Tq, Tk, scale, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)
-
-
 def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
     that see no key)."""
     B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
     o = empty_bthd(B, Hq, Tq, D, q)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-
-    def grid(meta):
-        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
-
-    _attn_fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                    *_seq_args(q, k, scale), **_constants(q, causal))
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale)
+    _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+            args, _constants(q, causal), Tq, Tk, q.dtype)
     return o, lse
 
 
@@ -447,20 +445,13 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Ten
     dv = empty_bthd(B, Hkv, Tk, D, v)
     delta = torch.empty_like(lse)
     constants = _constants(q, causal)
-    seq_args = _seq_args(q, k, scale)
-
-    def grid_q(meta):
-        return triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq
+    seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
 
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
-    _attn_bwd_dq[grid_q](q, k, v, o, do, dq, lse, delta,
-                         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), *dq.stride(),
-                         *seq_args, **constants)
-
-    def grid_kv(meta):
-        return triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv
-
-    _attn_bwd_dkdv[grid_kv](q, k, v, do, dk, dv, lse, delta,
-                            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-                            *seq_args, **constants)
+    _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+            (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+             *dq.stride(), *seq_args), constants, Tq, Tk, q.dtype)
+    _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
+            (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+             *dv.stride(), *seq_args), constants, Tq, Tk, q.dtype)
     return dq, dk, dv
