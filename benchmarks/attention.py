@@ -80,16 +80,17 @@ GRIDS = {
 }
 
 
-def grid_shapes(seq_lens, head_dims, causals, tokens: int, width: int) -> list[Shape]:
+def grid_shapes(seq_lens, head_dims, causals, tokens: int, width: int, batch: int | None = None) -> list[Shape]:
+    """Shapes of nh*hs = width; B*T = tokens, or B = batch when given (memory then grows with T)."""
     shapes = []
     for hs in head_dims:
         if width % hs:
             raise ValueError(f"--width {width} is not a multiple of head dim {hs}; pick head dims that divide it")
         for causal in causals:
             for T in seq_lens:
-                if tokens % T:
+                if batch is None and tokens % T:
                     raise ValueError(f"--tokens {tokens} is not a multiple of T={T}; use powers of two up to --tokens")
-                shapes.append(Shape(tokens // T, width // hs, T, hs, causal, "grid"))
+                shapes.append(Shape(batch or tokens // T, width // hs, T, hs, causal, "grid"))
     return shapes
 
 
@@ -254,7 +255,7 @@ def run(args) -> Path:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     shapes = ([GPT2_SHAPE] if args.gpt2 else []) + grid_shapes(
-        args.seq_lens, args.head_dims, args.causal, args.tokens, args.width
+        args.seq_lens, args.head_dims, args.causal, args.tokens, args.width, args.batch
     )
     out_dir = Path(args.out_dir or default_out_dir(device))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -338,6 +339,7 @@ def parse_args(argv=None):
     p.add_argument("--causal", type=comma_list(parse_bool), default=[True, False], help="true,false (default both)")
     p.add_argument("--tokens", type=int, help="B*T of every grid shape (default 16384)")
     p.add_argument("--width", type=int, help="nh*hs of every grid shape (default 2048)")
+    p.add_argument("--batch", type=int, help="fix B instead of B*T (e.g. --batch 1 for memory vs T)")
     p.add_argument("--gpt2", action=argparse.BooleanOptionalAction, help="add the GPT-2 shape B=16 nh=12 T=1024 hs=64")
     p.add_argument("--rep_ms", type=float, default=100.0, help="time spent timing each cell (do_bench's rep)")
     p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>/")

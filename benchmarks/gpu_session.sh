@@ -24,13 +24,15 @@ case $stage in
 env) ;;
 tests)  # every GPU-marked test: the kernel's float64 checks in bf16/fp16, determinism, compile
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 tests "$@" 2>&1 | log ;;
-bench)  # the kernel benchmark; args go to benchmarks.attention (e.g. --backends ... --seq_lens ...)
-  # .gpu_carry/bench/results.json from an earlier call lets --resume skip cells already measured
-  mkdir -p out/bench && cp -n .gpu_carry/bench/results.json out/bench/ 2>/dev/null
-  TRITON_PRINT_AUTOTUNING=1 timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.attention --resume \
-    --out_dir out/bench "$@" 2>&1 | grep -v "it/s]" | log
-  tar czf "$OUT/bench.tgz" -C out bench
-  tail -60 out/bench/results.md ;;
+bench)  # the kernel benchmark into out/$BENCH_DIR; args go to benchmarks.attention (--backends ...)
+  dir=${BENCH_DIR:-bench}
+  # .gpu_carry/$dir/results.json from an earlier call lets --resume skip cells already measured
+  mkdir -p "out/$dir" && cp -n ".gpu_carry/$dir/results.json" "out/$dir/" 2>/dev/null
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.attention --resume --out_dir "out/$dir" "$@" 2>&1 \
+    | grep -v "it/s]" | log
+  python3 -m benchmarks.attention_report "out/$dir" | log  # a run cut off by the timeout still gets its report
+  tar czf "$OUT/$dir.tgz" -C out "$dir"
+  tail -40 "out/$dir/results.md" ;;
 train)  # tiny shakespeare prep, then the training comparison; args go to benchmarks.compare
   export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
   python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log

@@ -40,6 +40,8 @@ def test_flop_count_halves_for_causal_and_scales_backward():
 
 
 def test_grid_keeps_tokens_and_width_fixed_and_rejects_uneven_sizes():
+    fixed_batch = bench.grid_shapes([1024, 16384], [64], [True], tokens=16384, width=2048, batch=1)
+    assert [(s.B, s.T) for s in fixed_batch] == [(1, 1024), (1, 16384)]
     shapes = bench.grid_shapes([1024, 16384], [64, 128], [True], tokens=16384, width=2048)
     assert [(s.B, s.nh, s.T, s.hs) for s in shapes] == [(16, 32, 1024, 64), (1, 32, 16384, 64), (16, 16, 1024, 128), (1, 16, 16384, 128)]
     with pytest.raises(ValueError, match="not a multiple of T=3000"):
