@@ -27,7 +27,7 @@ from training.distributed import World
 
 def main(argv: list[str]) -> float:
     """Runs max_steps steps and returns the median ms/step of those after the warm-up steps."""
-    cfg = parse_args(argv)
+    cfg = parse_args([*argv, "--wandb=false"])  # this loop logs nothing
     world = World()  # a single process
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
