@@ -129,6 +129,8 @@ def plot(res: Results, pass_: str, key: str, ylabel: str, path: Path, log_y: boo
     if plt is None:
         return
     fig, axes = plt.subplots(len(head_dims), len(causals), figsize=(6 * len(causals), 4 * len(head_dims)), squeeze=False)
+    batches = {r["B"] for r in res.rows if r["group"] == "grid"}
+    held = f"B={batches.pop()} fixed" if len(batches) == 1 else "B*T fixed"  # --batch, or the token-count grid
     for ax_row, hs in zip(axes, head_dims):
         for ax, causal in zip(ax_row, causals):
             seq_lens = set()
@@ -144,7 +146,7 @@ def plot(res: Results, pass_: str, key: str, ylabel: str, path: Path, log_y: boo
             else:
                 ax.set_ylim(bottom=0)
             ax.set_title(f"hs={hs}, {'causal' if causal else 'non-causal'}")
-            ax.set_xlabel("sequence length T (B*T fixed)")
+            ax.set_xlabel(f"sequence length T ({held})")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize="small")
