@@ -16,17 +16,16 @@ def find_shards(data_dir: str, split: str) -> list[str]:
     return sorted(glob.glob(pattern))
 
 
-def write_shard(path: str, tokens: np.ndarray) -> None:
-    """Save tokens (1-D uint16) atomically: np.save into a temporary file in the same folder, then
-    rename it into place, so an interrupted preparation never leaves a half-written shard behind."""
-    if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint16 and tokens.ndim == 1):
-        raise TypeError(f"a shard must be a 1-D uint16 numpy array, got {type(tokens).__name__} "
-                        f"{getattr(tokens, 'dtype', '')} {getattr(tokens, 'shape', '')}; convert with tokenizer.to_uint16")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp_path = f"{path}.{os.getpid()}.tmp"  # never matches a shard name, so the loader cannot pick it up
+def atomic_write(path: str, write) -> None:
+    """write(file) into a temporary file beside path, fsync, then rename it over path. A rename within
+    one folder is atomic, so a crash (or a full disk) at any moment leaves the old file or the new
+    one, never a truncated one. Shards and the trainer's checkpoints both go through here."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp_path = f"{path}.{os.getpid()}.tmp"  # never matches a shard or checkpoint name
     try:
         with open(tmp_path, "wb") as f:
-            np.save(f, tokens)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
@@ -34,6 +33,21 @@ def write_shard(path: str, tokens: np.ndarray) -> None:
         if os.path.exists(tmp_path):
             os.unlink(tmp_path)
         raise
+    # the rename itself lives in the folder's metadata: sync it too, or a power loss can undo it
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    """Save tokens (1-D uint16) atomically: np.save into a temporary file in the same folder, then
+    rename it into place, so an interrupted preparation never leaves a half-written shard behind."""
+    if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.uint16 and tokens.ndim == 1):
+        raise TypeError(f"a shard must be a 1-D uint16 numpy array, got {type(tokens).__name__} "
+                        f"{getattr(tokens, 'dtype', '')} {getattr(tokens, 'shape', '')}; convert with tokenizer.to_uint16")
+    atomic_write(path, lambda f: np.save(f, tokens))
 
 
 def load_shard(path: str) -> np.ndarray:

@@ -222,7 +222,7 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     checkpoint = load_checkpoint(tmp_path / "ckpt.pt")
     last_logged = read_metrics(tmp_path)[0][-1]["step"]
     assert checkpoint["step"] == last_logged + 1  # saved after the step it was in, not mid-step
-    assert not (tmp_path / "ckpt.pt.tmp").exists()
+    assert not list(tmp_path.glob("*.tmp"))  # no half-written temporary file left behind
 
 
 def test_lr_schedule_warmup_peak_and_end():

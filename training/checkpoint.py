@@ -5,30 +5,12 @@ import random
 import numpy as np
 import torch
 
+from data.shards import atomic_write
+
 
 def save_checkpoint(state: dict, path: str) -> None:
-    """torch.save into a temporary file beside path, fsync, then rename over path. A rename within
-    one folder is atomic, so a crash (or a full disk) at any moment leaves either the old checkpoint
-    or the new one, never a truncated file that would kill the resume."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp_path = path + ".tmp"  # same folder: os.replace is only atomic within one filesystem
-    try:
-        with open(tmp_path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
-        raise
-    # the rename itself lives in the folder's metadata: sync it too, or a power loss can undo it
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """torch.save, atomically: a crash mid-write leaves the previous checkpoint intact."""
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str) -> dict:
