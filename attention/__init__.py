@@ -1,9 +1,11 @@
 """nanoflash attention: one call, swappable backends. Depends on torch and triton only.
 
-    from attention import attention
+    from attention import attention, Attention
     y = attention(q, k, v, causal=True, backend="triton")   # q, k, v: (B, nh, T, hs)
+    y = Attention(backend="triton")(q, k, v)                # the same, as an nn.Module
 """
 from .masks import causal_mask
+from .module import Attention
 from .registry import attention, available_backends, get_backend, register_backend
 
-__all__ = ["attention", "available_backends", "get_backend", "register_backend", "causal_mask"]
+__all__ = ["attention", "Attention", "available_backends", "get_backend", "register_backend", "causal_mask"]

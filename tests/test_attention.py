@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attention import attention, available_backends, causal_mask, register_backend
+from attention import Attention, attention, available_backends, causal_mask, register_backend
 
 REFERENCE_BACKENDS = ["naive", "compile", "sdpa"]
 
@@ -115,3 +115,13 @@ def test_bad_input_names_the_problem(make, error, match):
 def test_bad_scale_is_rejected():
     with pytest.raises(ValueError, match="scale must be a positive number"):
         attention(*_qkv(), scale=-1.0, backend="naive")
+
+
+def test_module_form_matches_the_call_and_checks_the_backend_early():
+    torch.manual_seed(4)
+    q, k, v = _qkv(Hkv=2)
+    module = Attention(backend="naive", causal=False, scale=0.2)
+    assert list(module.parameters()) == [] and "backend='naive'" in repr(module)
+    torch.testing.assert_close(module(q, k, v), attention(q, k, v, causal=False, scale=0.2, backend="naive"))
+    with pytest.raises(ValueError, match="unknown attention backend 'flash3'"):
+        Attention(backend="flash3")

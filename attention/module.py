@@ -1,0 +1,25 @@
+"""attention() as an nn.Module, for models that compose layers: the backend, causal flag and scale
+are fixed at construction (and checked there), the tensors come in forward."""
+import torch
+import torch.nn as nn
+
+from .registry import attention, get_backend
+
+
+class Attention(nn.Module):
+    """softmax(q k^T * scale) v on (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors; no parameters.
+
+        attn = Attention(backend="triton")          # causal, scale 1/sqrt(D)
+        y = attn(q, k, v)                           # (B, Hq, Tq, D)
+    """
+
+    def __init__(self, backend: str = "sdpa", causal: bool = True, scale: float | None = None):
+        super().__init__()
+        get_backend(backend)  # an unknown name fails here, when the model is built, not at the first step
+        self.backend, self.causal, self.scale = backend, causal, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, causal={self.causal}, scale={self.scale}"
