@@ -2,6 +2,7 @@
 
     model = GPT(GPTConfig.preset("gpt2", attn="triton"))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) token ids
+    out = model.eval().generate(idx, 100)     # sampling with a KV cache (see KVCache)
 
 Module names follow Hugging Face's GPT-2 so its checkpoints load 1:1 (see load_hf_state_dict).
 """
@@ -68,6 +69,37 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+class KVCache:
+    """One layer's keys and values during generate(), so each step computes k, v for new tokens only.
+
+    The buffer is (B, nh, max_len, hs), allocated once on the first write, in the dtype the keys come
+    in (bf16 under autocast, say), and filled in place: no torch.cat and no reallocation per token.
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.length = 0  # positions filled so far
+        self.k = self.v = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, nh, T, hs) of the next T positions; return all of them (B, nh, length, hs)."""
+        end = self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length} cached + {k.size(2)} new positions > max_len="
+                             f"{self.max_len}; clear() it and re-run the context, or make a larger cache")
+        if self.k is None:
+            self.k = k.new_empty(k.size(0), k.size(1), self.max_len, k.size(3))
+            self.v = torch.empty_like(self.k)
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        # strided views of the buffer, which every backend reads in place
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def clear(self) -> None:
+        self.length = 0  # the buffer is kept: the next writes overwrite it
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -78,12 +110,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True  # see GPT._init_weights
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
+    def forward(self, x, kv_cache: KVCache | None = None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs). Left as strided views on purpose: the Triton kernel reads
         # them in place, and a .contiguous() here would cost three copies per layer.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
+        # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
+        # position Tk - T + i and sees every cached key plus the new ones up to itself.
         y = attention(q, k, v, causal=True, backend=self.backend)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
@@ -112,8 +148,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, kv_cache: KVCache | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -144,20 +180,29 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, kv_caches: list[KVCache] | None = None):
         """idx, targets: (B, T) int64. Returns logits (B, T, vocab) and the mean cross-entropy
-        (None without targets); targets equal to -1 are ignored."""
+        (None without targets); targets equal to -1 are ignored.
+
+        kv_caches: one KVCache per layer (generate() makes them). idx then holds the tokens that
+        follow the cached ones, and their k, v are added to the caches.
+        """
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; "
                              "use idx[None] for a single sequence")
+        if kv_caches is not None and len(kv_caches) != self.config.n_layer:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {self.config.n_layer} layers; pass one per layer")
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; crop the input to "
-                             f"its last {self.config.block_size} tokens or build the model with a larger block_size")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        past = kv_caches[0].length if kv_caches else 0
+        if past + T > self.config.block_size:
+            length = f"{past} cached + {T} new tokens" if past else f"sequence length {T}"
+            raise ValueError(f"{length} exceeds block_size={self.config.block_size}; crop the input to its last "
+                             f"{self.config.block_size} tokens (clear() the caches first) or build the model "
+                             "with a larger block_size")
+        pos = torch.arange(past, past + T, device=idx.device)  # (T,) absolute positions, after the cached ones
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, kv_caches[i] if kv_caches else None)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
@@ -187,19 +232,32 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
         """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
 
         temperature=0 means greedy decoding (argmax), the same as top_k=1. Put the model in
-        eval() mode first if it has dropout. Every step re-runs the whole (cropped) context:
-        there is no KV cache yet.
+        eval() mode first if it has dropout.
+
+        use_cache=True: one forward over the prompt fills a KVCache per layer, then each step runs
+        the newest token alone. use_cache=False re-runs the whole context every step. Both see the
+        same context: past block_size tokens the learned positions run out, so each step re-runs
+        the last block_size tokens from position 0 (the cache is cleared and refilled), and from
+        there on the cache saves nothing.
         """
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
+        block_size = self.config.block_size
+        max_len = min(block_size, idx.size(1) + max_new_tokens)
+        caches = [KVCache(max_len) for _ in self.transformer.h] if use_cache else None
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])  # crop: positions past block_size have no embedding
+            if caches and 0 < caches[0].length < block_size:
+                logits, _ = self(idx[:, -1:], kv_caches=caches)  # the cache holds the tokens before the newest
+            else:  # no cache, the first step, or a full window: crop, positions past block_size have no embedding
+                for cache in caches or []:
+                    cache.clear()
+                logits, _ = self(idx[:, -block_size:], kv_caches=caches)
             logits = logits[:, -1, :]  # (B, vocab): only the last position predicts the next token
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)

@@ -1,0 +1,126 @@
+"""GPT.generate() with the KV cache: the same tokens and logits as re-running the whole context."""
+import pytest
+import torch
+
+import attention
+from model import GPT, GPTConfig, KVCache
+
+# head dim 16: the smallest tl.dot takes; a small vocabulary keeps the interpreter quick
+TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+BACKENDS = ["naive", "sdpa", "triton"]
+
+
+def with_large_weights(model: GPT) -> GPT:
+    """GPT-2's init makes the logits nearly uniform, and in a tiny model the next token mostly
+    repeats the last one. Larger weights give varied tokens whose argmax wins by margins far
+    above float rounding, so cached and uncached paths must agree exactly."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 2 / model.config.n_embd**0.5)
+    return model
+
+
+def tiny_model(attn="naive", **overrides):
+    torch.manual_seed(0)
+    return with_large_weights(GPT(GPTConfig(**{**TINY, **overrides}, attn=attn)).eval())
+
+
+def prompt(B=2, T=3):
+    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_same_with_and_without_cache_across_the_window_slide(backend):
+    # block_size 8, prompt 3, 8 new tokens: 5 cached steps, then the window is full and slides
+    model = tiny_model(backend, block_size=8)
+    cached = model.generate(prompt(), 8, temperature=0)
+    assert cached.shape == (2, 11) and len(cached[0, 3:].unique()) > 3  # not one token repeated
+    assert torch.equal(cached, model.generate(prompt(), 8, temperature=0, use_cache=False))
+    assert torch.equal(cached, model.generate(prompt(), 8, top_k=1))
+
+
+def test_cache_runs_one_query_per_step_until_the_window_is_full(monkeypatch):
+    # the equality tests above would also pass if generate() ignored the cache: check what attention saw
+    seen = []
+
+    def spy(q, k, v, causal, scale):
+        seen.append((q.size(2), k.size(2)))
+        return attention.registry.naive_attention(q, k, v, causal, scale)
+
+    monkeypatch.setitem(attention.registry._BACKENDS, "spy", spy)
+    tiny_model("spy", block_size=8).generate(prompt(), 8, temperature=0)
+    per_step = seen[::TINY["n_layer"]]
+    assert seen == [shape for shape in per_step for _ in range(TINY["n_layer"])]
+    # prefill of 3, one new token against 4..8 keys, then re-prefills of the last 8 tokens
+    assert per_step == [(3, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (8, 8), (8, 8)]
+
+
+def test_sampling_with_a_fixed_seed_is_the_same_with_and_without_cache():
+    model = tiny_model(block_size=8)
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        outs.append(model.generate(prompt(), 8, temperature=1.0, top_k=20, use_cache=use_cache))
+    assert torch.equal(*outs)
+    assert not torch.equal(outs[0], model.generate(prompt(), 8, temperature=0))  # it did sample
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_logits_match_the_full_forward(backend):
+    # prefill 5 tokens, then a block of 3 (Tq > 1 against the cache), then single tokens
+    model = tiny_model(backend)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(2))
+    full, _ = model(idx)  # (B, T, vocab)
+    caches = [KVCache(max_len=11) for _ in range(TINY["n_layer"])]
+    with torch.no_grad():
+        for start, end in [(0, 5), (5, 8), (8, 9), (9, 10), (10, 11)]:
+            logits, _ = model(idx[:, start:end], kv_caches=caches)
+            torch.testing.assert_close(logits, full[:, start:end], rtol=1e-5, atol=1e-5)
+    assert [c.length for c in caches] == [11, 11]
+
+
+def test_cache_writes_in_place_into_one_buffer():
+    cache = KVCache(max_len=6)
+    k1, v1 = torch.randn(2, 1, 2, 3, 16).unbind(0)  # (B=1, nh=2, T=3, hs=16)
+    k2, v2 = torch.randn(2, 1, 2, 1, 16).unbind(0)
+    cache.extend(k1, v1)
+    buffer = cache.k.data_ptr()
+    k, v = cache.extend(k2, v2)
+    assert cache.k.shape == (1, 2, 6, 16) and cache.k.data_ptr() == k.data_ptr() == buffer
+    assert torch.equal(k, torch.cat((k1, k2), dim=2)) and torch.equal(v, torch.cat((v1, v2), dim=2))
+    cache.clear()
+    k, _ = cache.extend(k2, v2)
+    assert cache.length == 1 and torch.equal(k, k2) and cache.k.data_ptr() == buffer
+
+
+def test_cache_overflow_and_bad_cache_lists_raise():
+    model = tiny_model(block_size=8)
+    caches = [KVCache(max_len=8) for _ in range(TINY["n_layer"])]
+    with torch.no_grad():
+        model(prompt(T=6), kv_caches=caches)
+        with pytest.raises(ValueError, match="6 cached \\+ 3 new tokens exceeds block_size=8"):
+            model(prompt(T=3), kv_caches=caches)
+        with pytest.raises(ValueError, match="2 KV caches for 3 layers"):
+            tiny_model(n_layer=3)(prompt(), kv_caches=caches)
+    with pytest.raises(ValueError, match="overflow"):
+        KVCache(max_len=2).extend(torch.zeros(1, 1, 3, 16), torch.zeros(1, 1, 3, 16))
+
+
+def test_cache_takes_the_dtype_of_the_keys_under_autocast():
+    model = tiny_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(prompt(), 4, temperature=0)
+    assert out.shape == (2, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_gpu_greedy_tokens_same_with_and_without_cache(backend):
+    # GPT-2's head size and width, fp32 so that rounding cannot flip the argmax
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=12, n_embd=768, attn=backend))
+    model = with_large_weights(model.cuda().eval())
+    idx = torch.randint(0, 64, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    cached = model.generate(idx, 96, temperature=0)  # past block_size: the window slides
+    assert torch.equal(cached, model.generate(idx, 96, temperature=0, use_cache=False))
