@@ -1,8 +1,11 @@
 """GPT.generate() with the KV cache: the same tokens and logits as re-running the whole context."""
+import json
+
 import pytest
 import torch
 
 import attention
+from benchmarks import generate as bench
 from model import GPT, GPTConfig, KVCache
 
 # head dim 16: the smallest tl.dot takes; a small vocabulary keeps the interpreter quick
@@ -112,6 +115,22 @@ def test_cache_takes_the_dtype_of_the_keys_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.generate(prompt(), 4, temperature=0)
     assert out.shape == (2, 7)
+
+
+def test_benchmark_runs_a_toy_model_and_writes_json_and_table(tmp_path):
+    results = bench.main(["--device", "cpu", "--model", "toy", "--backends", "naive", "--prompt_len", "4",
+                          "--new_tokens", "3", "--batch_sizes", "1,2", "--warmup", "0", "--repeats", "1",
+                          "--out_dir", str(tmp_path)])
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    rows = results["rows"]
+    assert [(r["B"], r["use_cache"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["B"] * 3 / r["median_s"]) and len(r["runs_s"]) == 1
+    table = (tmp_path / "results.md").read_text().splitlines()
+    assert table[-2].startswith("| naive | 1 | ") and table[-1].startswith("| naive | 2 | ")
+    cells = table[-1].strip("| ").split(" | ")
+    assert cells[4] == bench.fmt(rows[3]["tokens_per_s"] / rows[2]["tokens_per_s"]) + "x"
+    assert cells[5] == ("yes" if rows[3]["same_tokens"] else "no")
 
 
 @pytest.mark.gpu
