@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands we run on the lent GPU machine (H200), one stage per call:
-#   bash benchmarks/gpu_session.sh env|tests|bench|train [extra args for that stage]
+#   bash benchmarks/gpu_session.sh env|tests|bench|train|reuse [extra args for that stage]
 # Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
 # Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: env|tests|bench|train}; shift
+stage=${1:?stage: env|tests|bench|train|reuse}; shift
 
 log() { tee -a "$OUT/$stage.log"; }
 
@@ -40,5 +40,15 @@ train)  # tiny shakespeare prep, then the training comparison; args go to benchm
     | grep -v "it/s]" | log
   tar czf "$OUT/compare.tgz" --exclude=ckpt.pt -C out compare
   cat out/compare/comparison.md ;;
+reuse)  # the Llama-style example per backend (same seed and steps), then decoding with vs without the KV cache
+  export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
+  [ -d data/shakespeare ] || python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
+  for attn in ${LLAMA_BACKENDS:-sdpa triton}; do
+    timeout 240 python3 -m examples.train_llama --attn=$attn --max_steps=300 --batch_size=16 --compile \
+      --out_dir out/llama/$attn 2>&1 | grep -E "^step (0|[0-9]*00)/|error" | log
+  done
+  python3 -m benchmarks.compare_report out/llama | log
+  timeout 240 python3 -m benchmarks.generate --backends sdpa,triton --out_dir out/generate 2>&1 | log
+  tar czf "$OUT/reuse.tgz" --exclude=ckpt.pt -C out llama generate ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
