@@ -64,4 +64,9 @@ def attention(
     check_qkv(q, k, v, scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if causal and q.shape[2] == 1:
+        # one query, aligned bottom-right, is the last position and sees every key: the causal mask
+        # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
+        # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
+        causal = False
     return fn(q, k, v, causal=causal, scale=float(scale))

@@ -45,10 +45,12 @@ reuse)  # the Llama-style example per backend (same seed and steps), then decodi
   [ -d data/shakespeare ] || python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
   for attn in ${LLAMA_BACKENDS:-sdpa triton}; do
     timeout 240 python3 -m examples.train_llama --attn=$attn --max_steps=300 --batch_size=16 --compile \
-      --out_dir out/llama/$attn 2>&1 | grep -E "^step (0|[0-9]*00)/|error" | log
+      --out_dir=out/llama/$attn 2>&1 | grep -E "^step (0|[0-9]*00)/|error" | log
   done
   python3 -m benchmarks.compare_report out/llama | log
-  timeout 240 python3 -m benchmarks.generate --backends sdpa,triton --out_dir out/generate 2>&1 | log
-  tar czf "$OUT/reuse.tgz" --exclude=ckpt.pt -C out llama generate ;;
+  timeout 150 python3 -m benchmarks.generate --backends sdpa,triton --out_dir out/generate 2>&1 | log
+  timeout 200 python3 -m benchmarks.generate --backends sdpa,triton --prompt_len 512 --new_tokens 512 \
+    --out_dir out/generate-long 2>&1 | log
+  tar czf "$OUT/reuse.tgz" --exclude=ckpt.pt -C out llama generate generate-long ;;
 *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

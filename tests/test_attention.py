@@ -125,3 +125,14 @@ def test_module_form_matches_the_call_and_checks_the_backend_early():
     torch.testing.assert_close(module(q, k, v), attention(q, k, v, causal=False, scale=0.2, backend="naive"))
     with pytest.raises(ValueError, match="unknown attention backend 'flash3'"):
         Attention(backend="flash3")
+
+
+@pytest.mark.parametrize("backend", REFERENCE_BACKENDS)
+def test_single_decoding_query_sees_every_key(backend):
+    # KV-cache decoding: one new query against Tk cached keys is the last position (bottom-right)
+    torch.manual_seed(5)
+    q, k, v = _qkv(Tq=1, Tk=13, Hkv=2)
+    expected = _forward_backward("naive", q.double(), k.double(), v.double(), causal=False)
+    got = _forward_backward(backend, q, k, v, causal=True)
+    for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g, e.float(), atol=2e-5, rtol=2e-5, msg=f"{backend} {name}")
