@@ -1,5 +1,4 @@
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from model import GPT, GPTConfig, load_hf_state_dict
 
 # tiny but with every feature: 2 layers, 3 heads of 16 channels (the smallest head tl.dot takes), GPT-2's vocabulary
 TINY = dict(block_size=16, vocab_size=50257, n_layer=2, n_head=3, n_embd=48)
-TRITON_OP_EXISTS = (Path(attention.__file__).parent / "triton_op.py").exists()
 
 
 def tiny_model(seed=0, **overrides):
@@ -131,8 +129,7 @@ def test_load_hf_state_dict_rejects_mismatches(tmp_path):
         GPT.from_pretrained(str(tmp_path / "weights.pt"))
 
 
-BACKENDS = ["naive", "compile", "sdpa", pytest.param("triton", marks=pytest.mark.skipif(
-    not TRITON_OP_EXISTS, reason="attention/triton_op.py (the Triton kernel) is not written yet"))]
+BACKENDS = ["naive", "compile", "sdpa", "triton"]
 
 
 @pytest.fixture(scope="module")
