@@ -1,6 +1,5 @@
 """PyTorch's F.scaled_dot_product_attention, letting PyTorch pick its kernel (FlashAttention-2,
 cuDNN, memory-efficient or math) for the device, dtype and shape."""
-import torch
 import torch.nn.functional as F
 
 from .masks import causal_mask
