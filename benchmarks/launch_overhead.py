@@ -83,7 +83,7 @@ def main():
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
-    print(f"| call | host us/call | do_bench us |\n|---|---|---|")
+    print("| call | host us/call | do_bench us |\n|---|---|---|")
     for name, host, gpu in rows:
         print(f"| {name} | {host:.0f} | {gpu:.0f} |")
 
