@@ -1,0 +1,101 @@
+"""MoBA, Mixture of Block Attention (Lu et al. 2025, "MoBA: Mixture of Block Attention for Long-Context
+LLMs", arXiv:2502.13189): causal attention in which each query reads only a few blocks of keys.
+
+The keys are cut into blocks of block_size positions. A query scores every block that lies wholly
+in its past by q . mean(k over the block), keeps the topk best, and always adds its own block (under
+the causal mask). It then attends to the keys of those topk + 1 blocks only, so the work per query is
+at most (topk + 1) * block_size keys however long the sequence: linear in T instead of quadratic.
+Like a mixture-of-experts router, the selection is a hard choice and is not differentiated; the
+gradient flows through the attention over the chosen keys.
+
+    selection = moba_select(q, k, block_size, topk)       # (B, Hq, T, topk + 1) block indices
+    y = moba_attention(q, k, v, block_size=512, topk=3)   # the Triton kernel on the selection
+"""
+import torch
+import torch.nn.functional as F
+
+from .compiled import compiled_attention
+from .masks import causal_mask
+from .naive import naive_attention
+from .validate import check_qkv
+
+# Dense references of the same selection, for tests and for machines without the kernel
+REFERENCE_BACKENDS = ("naive", "compile", "sdpa")
+
+
+def _check_moba_args(q: torch.Tensor, k: torch.Tensor, block_size, topk) -> None:
+    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 16):
+        raise ValueError(f"block_size must be an int >= 16 (keys per MoBA block; the paper uses 512), got {block_size!r}")
+    if not (isinstance(topk, int) and not isinstance(topk, bool) and topk >= 0):
+        raise ValueError(f"topk must be an int >= 0 (past blocks each query reads besides its own), got {topk!r}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"MoBA is training-time self-attention: q and k must have the same length, got Tq={q.shape[2]} and "
+            f"Tk={k.shape[2]}; for decoding against a KV cache use dense attention(causal=True)"
+        )
+
+
+@torch.no_grad()  # a hard top-k choice: no gradient flows through the selection
+def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+    """(B, Hq, T, topk + 1) int64 key-block indices per query: slot 0 its own block, slots 1.. its
+    topk past blocks (those ending at or before its block's start) by descending q . mean(k over the
+    block), -1 in slots left empty (a query in block n has only n past blocks). Query head h reads kv
+    head h // (Hq // Hkv). The last block may be shorter than block_size; its mean is over its keys."""
+    check_qkv(q, k, k, None)
+    _check_moba_args(q, k, block_size, topk)
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    n_blocks = -(-T // block_size)
+    dtype = torch.promote_types(q.dtype, torch.float32)  # scores in fp32 at least: near ties decide blocks
+    padded = F.pad(k.to(dtype), (0, 0, 0, n_blocks * block_size - T))  # zero keys add nothing to the sums
+    counts = torch.full((n_blocks, 1), block_size, dtype=dtype, device=k.device)
+    counts[-1] = T - (n_blocks - 1) * block_size
+    means = padded.view(B, Hkv, n_blocks, block_size, D).sum(3) / counts  # (B, Hkv, n_blocks, D)
+    means = means.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, n_blocks, D)
+    scores = q.to(dtype) @ means.transpose(-2, -1)  # (B, Hq, T, n_blocks)
+
+    own = torch.arange(T, device=q.device) // block_size  # (T,) each query's block
+    past = torch.arange(n_blocks, device=q.device)[None, :] < own[:, None]  # (T, n_blocks)
+    scores = scores.masked_fill(~past, float("-inf"))
+    best = scores.topk(min(topk, n_blocks - 1), dim=-1)  # sorted, best first
+    chosen = best.indices.masked_fill(best.values == float("-inf"), -1)  # early queries: too few past blocks
+    empty = torch.full((B, Hq, T, topk - chosen.shape[-1]), -1, dtype=torch.int64, device=q.device)
+    return torch.cat([own.expand(B, Hq, T)[..., None], chosen, empty], dim=-1)
+
+
+def moba_mask(selection: torch.Tensor, block_size: int, Tk: int) -> torch.Tensor:
+    """(B, Hq, Tq, Tk) bool: key j visible iff its block is in the query's selection and j <= query."""
+    B, Hq, Tq, _ = selection.shape
+    n_blocks = -(-Tk // block_size)
+    # one row of n_blocks + 1 flags per query; the -1 slots land in the extra column, dropped after
+    chosen = torch.zeros(B, Hq, Tq, n_blocks + 1, dtype=torch.bool, device=selection.device)
+    chosen.scatter_(-1, selection.masked_fill(selection < 0, n_blocks), True)
+    key_block = torch.arange(Tk, device=selection.device) // block_size  # (Tk,)
+    return chosen[..., key_block] & causal_mask(Tq, Tk, device=selection.device)
+
+
+def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int = 512, topk: int = 3,
+                   scale: float | None = None, backend: str = "triton") -> torch.Tensor:
+    """MoBA attention on q (B, Hq, T, D), k, v (B, Hkv, T, D); returns (B, Hq, T, D).
+
+    backend "triton": the block-sparse kernel reads only the selected blocks. "naive", "compile",
+    "sdpa": the same selection applied as a dense (T, T) mask, O(T^2) memory: references for tests.
+    """
+    if backend != "triton" and backend not in REFERENCE_BACKENDS:
+        raise ValueError(f"moba_attention runs on backend 'triton' or a dense reference {REFERENCE_BACKENDS}, "
+                         f"got {backend!r}")
+    check_qkv(q, k, v, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    selection = moba_select(q, k, block_size, topk)
+    if backend == "triton":
+        # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
+        from .triton_moba import moba_triton
+
+        return moba_triton(q, k, v, selection, block_size, scale)
+    visible = moba_mask(selection, block_size, k.shape[2])
+    if backend == "sdpa":
+        # every query sees at least itself (its own block, causal), so no row is empty and needs zeroing
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    reference = naive_attention if backend == "naive" else compiled_attention
+    return reference(q, k, v, causal=True, scale=scale, visible=visible)
