@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import attention, available_backends
+from attention.decode import decode_attention
 
 # every GPT-2 size uses a head size of 64; only the depth and width change
 PRESETS = {
@@ -74,12 +75,23 @@ class KVCache:
 
     The buffer is (B, nh, max_len, hs), allocated once on the first write, in the dtype the keys come
     in (bf16 under autocast, say), and filled in place: no torch.cat and no reallocation per token.
+    Two ways to fill it:
+
+    - extend(k, v) appends T positions at the host-side count `length`; attention then reads the
+      filled prefix, a view whose length changes every call. generate() fills the prompt this way.
+    - a static decode step, while step_pos is set (generate() sets it, see DecodeStep): write_step()
+      puts one token's k, v at the device-side position step_pos, and attention reads the whole
+      buffer through decode_attention, keys at or past step_len masked. Every step has the same
+      shapes and reads no host int, so it can be captured once in a CUDA graph and replayed.
     """
 
     def __init__(self, max_len: int):
         self.max_len = max_len
         self.length = 0  # positions filled so far
         self.k = self.v = None
+        # (1,) int64 device tensors during a static decode step: the new token's position, and the
+        # number of valid positions including it (step_pos + 1), kept apart to save an add per layer
+        self.step_pos = self.step_len = None
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append k, v (B, nh, T, hs) of the next T positions; return all of them (B, nh, length, hs)."""
@@ -88,16 +100,85 @@ class KVCache:
             raise ValueError(f"KV cache overflow: {self.length} cached + {k.size(2)} new positions > max_len="
                              f"{self.max_len}; clear() it and re-run the context, or make a larger cache")
         if self.k is None:
-            self.k = k.new_empty(k.size(0), k.size(1), self.max_len, k.size(3))
-            self.v = torch.empty_like(self.k)
+            # zeros, not empty: the masked decode of the non-Triton backends reads the whole buffer and
+            # weights unwritten positions by 0, and 0 * a NaN left in uninitialised memory is NaN
+            self.k = k.new_zeros(k.size(0), k.size(1), self.max_len, k.size(3))
+            self.v = torch.zeros_like(self.k)
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end
         # strided views of the buffer, which every backend reads in place
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def write_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one token's k, v (B, nh, 1, hs) at step_pos; the caller advances the positions."""
+        self.k.index_copy_(2, self.step_pos, k)
+        self.v.index_copy_(2, self.step_pos, v)
+
+    def positions(self, T: int, device) -> torch.Tensor:
+        """(T,) absolute positions of the next T tokens: the device-side step_pos in a static step."""
+        if self.step_pos is not None:
+            return self.step_pos
+        return torch.arange(self.length, self.length + T, device=device)
+
     def clear(self) -> None:
         self.length = 0  # the buffer is kept: the next writes overwrite it
+        self.step_pos = self.step_len = None  # and they are extend()s again
+
+
+class DecodeStep:
+    """generate()'s decode loop body: one token per sequence through the model, at the position its
+    KV caches (filled by a prefill) have reached. The step reads its inputs from static buffers and
+    the position from a device tensor (KVCache.step_pos), so its shapes and addresses never change.
+
+    With cuda_graph the whole step (embedding, every block's cache write and decode attention, the
+    head) is captured once into a torch.cuda.CUDAGraph, and each token then costs one replay instead
+    of a few hundred kernel launches from Python, which is what bounds decoding at small batch.
+    """
+
+    def __init__(self, model: "GPT", caches: list[KVCache], token: torch.Tensor, cuda_graph: bool):
+        self.model, self.caches = model, caches
+        self.token = token.clone()  # (B, 1) static input buffer: each call copies the next token in
+        start = caches[0].length
+        self.pos = torch.full((1,), start, dtype=torch.long, device=token.device)
+        self.cache_len = self.pos + 1
+        for cache in caches:  # every layer reads the same two position tensors
+            cache.step_pos, cache.step_len = self.pos, self.cache_len
+        self.graph = None
+        if cuda_graph:
+            # Warm up on a side stream first, as CUDA graph capture requires: Triton compiles its
+            # kernels and cuBLAS picks its algorithms there, outside the capture. The warm-up writes
+            # this token's k, v, which the first replay rewrites identically; rewind the positions.
+            side = torch.cuda.Stream(device=token.device)
+            side.wait_stream(torch.cuda.current_stream(token.device))
+            with torch.cuda.stream(side):
+                self._forward()
+            torch.cuda.current_stream(token.device).wait_stream(side)
+            self.pos.fill_(start)
+            self.cache_len.fill_(start + 1)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()  # (B, vocab) static output, refreshed by every replay
+
+    def _forward(self) -> torch.Tensor:
+        logits, _ = self.model(self.token, kv_caches=self.caches)
+        # advance on the device, inside the captured step: the next replay decodes one position on
+        self.pos.add_(1)
+        self.cache_len.add_(1)
+        return logits[:, -1, :]
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        """token (B, 1) -> logits (B, vocab) for the position after it. With a graph these are its
+        static output buffer, valid until the next call: generate() samples from them before that."""
+        self.token.copy_(token)
+        if self.graph is None:
+            logits = self._forward()
+        else:
+            self.graph.replay()
+            logits = self.logits
+        for cache in self.caches:  # the host-side count, which generate() and GPT.forward's checks read
+            cache.length += 1
+        return logits
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,11 +197,16 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, nh, T, hs). Left as strided views on purpose: the Triton kernel reads
         # them in place, and a .contiguous() here would cost three copies per layer.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if kv_cache is not None:
-            k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
-        # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
-        # position Tk - T + i and sees every cached key plus the new ones up to itself.
-        y = attention(q, k, v, causal=True, backend=self.backend)  # (B, nh, T, hs)
+        if kv_cache is not None and kv_cache.step_pos is not None:
+            # a static decode step (see KVCache): T = 1, the whole buffer, the valid length on the device
+            kv_cache.write_step(k, v)
+            y = decode_attention(q, kv_cache.k, kv_cache.v, kv_cache.step_len, backend=self.backend)  # (B, nh, 1, hs)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
+            # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
+            # position Tk - T + i and sees every cached key plus the new ones up to itself.
+            y = attention(q, k, v, causal=True, backend=self.backend)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -199,7 +285,7 @@ class GPT(nn.Module):
             raise ValueError(f"{length} exceeds block_size={self.config.block_size}; crop the input to its last "
                              f"{self.config.block_size} tokens (clear() the caches first) or build the model "
                              "with a larger block_size")
-        pos = torch.arange(past, past + T, device=idx.device)  # (T,) absolute positions, after the cached ones
+        pos = kv_caches[0].positions(T, idx.device) if kv_caches else torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             x = block(x, kv_caches[i] if kv_caches else None)
@@ -232,34 +318,46 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
+                 cuda_graph: bool | None = None):
         """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
 
         temperature=0 means greedy decoding (argmax), the same as top_k=1. Put the model in
         eval() mode first if it has dropout.
 
-        use_cache=True: one forward over the prompt fills a KVCache per layer, then each step runs
-        the newest token alone. use_cache=False re-runs the whole context every step. Both see the
-        same context: past block_size tokens the learned positions run out, so each step re-runs
-        the last block_size tokens from position 0 (the cache is cleared and refilled), and from
-        there on the cache saves nothing.
+        use_cache=True: one forward over the prompt fills a KVCache per layer (the prefill), then
+        each step runs the newest token alone through a static-shape DecodeStep: the cache written
+        and read in place, the position a device tensor, attention by decode_attention.
+        cuda_graph (default: on when idx is on CUDA and use_cache) captures that step once in a
+        CUDA graph and replays it per token. use_cache=False re-runs the whole context every step.
+        All see the same context: past block_size tokens the learned positions run out, so each
+        step re-runs the last block_size tokens from position 0 (the cache is cleared and
+        refilled, and no decode step runs again), and from there on the cache saves nothing.
         """
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
+        if cuda_graph is None:
+            cuda_graph = use_cache and idx.device.type == "cuda"
+        if cuda_graph and not (use_cache and idx.device.type == "cuda"):
+            raise ValueError(f"cuda_graph=True replays the cached decode step on the GPU: it needs use_cache=True "
+                             f"and idx on a CUDA device (got use_cache={use_cache}, device {idx.device}); "
+                             "leave cuda_graph=None to choose automatically")
         block_size = self.config.block_size
         max_len = min(block_size, idx.size(1) + max_new_tokens)
         caches = [KVCache(max_len) for _ in self.transformer.h] if use_cache else None
+        decode_step = None  # built after the prefill, when the caches hold the prompt
         for _ in range(max_new_tokens):
             if caches and 0 < caches[0].length < block_size:
-                logits, _ = self(idx[:, -1:], kv_caches=caches)  # the cache holds the tokens before the newest
+                if decode_step is None:  # the cache holds the tokens before the newest
+                    decode_step = DecodeStep(self, caches, idx[:, -1:], cuda_graph)
+                logits = decode_step(idx[:, -1:])
             else:  # no cache, the first step, or a full window: crop, positions past block_size have no embedding
                 for cache in caches or []:
                     cache.clear()
-                logits, _ = self(idx[:, -block_size:], kv_caches=caches)
-            logits = logits[:, -1, :]  # (B, vocab): only the last position predicts the next token
-            if temperature == 0:
+                logits = self(idx[:, -block_size:], kv_caches=caches)[0][:, -1, :]  # only the last position predicts
+            if temperature == 0:  # logits: (B, vocab)
                 idx_next = logits.argmax(dim=-1, keepdim=True)
             else:
                 logits = logits / temperature

@@ -1,14 +1,17 @@
-"""Decoding speed: GPT.generate() with and without the KV cache.
+"""Decoding speed: GPT.generate() without the KV cache, with it, and with its decode step in a CUDA graph.
 
     python -m benchmarks.generate                                     # GPT-2 124M, random weights, sdpa, B=1 and 8
     python -m benchmarks.generate --backends sdpa,triton --init_from path/to/model.safetensors
     python -m benchmarks.generate --device cpu --model toy            # tiny model: for tests, not for numbers
 
-Every cell (backend, B, cache on or off) generates --new_tokens greedy tokens after a random prompt of
---prompt_len tokens: --warmup runs untimed (torch.compile, Triton's tuner and the allocator do their work
-there), then --repeats timed runs. tokens/s = B * new_tokens / median wall time; the time includes the
-prompt's forward and is taken between torch.cuda.synchronize() calls. With prompt_len + new_tokens past
-block_size both paths re-run the whole window every step from there on (see GPT.generate).
+Every cell (backend, B, mode) generates --new_tokens greedy tokens after a random prompt of --prompt_len
+tokens. The modes: no cache (use_cache=False: the whole context every step), cache (the static decode
+step run eagerly, cuda_graph=False) and, on CUDA only, cache+graph (the step captured once in a CUDA
+graph and replayed per token; the capture happens inside every generate() call and is timed with it).
+--warmup runs untimed (torch.compile, Triton's tuner and the allocator do their work there), then
+--repeats timed runs. tokens/s = B * new_tokens / median wall time; the time includes the prompt's
+forward and is taken between torch.cuda.synchronize() calls. With prompt_len + new_tokens past
+block_size every mode re-runs the whole window every step from there on (see GPT.generate).
 
 Writes results.json (environment, settings, one row per cell) and results.md, and prints the table.
 """
@@ -46,32 +49,44 @@ def build_model(args, backend: str, device: torch.device) -> GPT:
     return model.to(device, DTYPES[args.dtype]).eval()
 
 
-def timed_generate(model: GPT, prompt: torch.Tensor, new_tokens: int, use_cache: bool) -> tuple[float, torch.Tensor]:
+# mode name -> generate() keyword arguments; "cache+graph" only on CUDA
+MODES = {
+    "no cache": {"use_cache": False, "cuda_graph": False},
+    "cache": {"use_cache": True, "cuda_graph": False},
+    "cache+graph": {"use_cache": True, "cuda_graph": True},
+}
+
+
+def modes_for(device: torch.device) -> list[str]:
+    return [mode for mode in MODES if device.type == "cuda" or not MODES[mode]["cuda_graph"]]
+
+
+def timed_generate(model: GPT, prompt: torch.Tensor, new_tokens: int, mode: str) -> tuple[float, torch.Tensor]:
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    out = model.generate(prompt, new_tokens, temperature=0, use_cache=use_cache)
+    out = model.generate(prompt, new_tokens, temperature=0, **MODES[mode])
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
 
 def measure(model: GPT, prompt: torch.Tensor, args) -> list[dict]:
-    """One row per cache setting: median seconds and tokens/s over the timed runs."""
+    """One row per mode: median seconds and tokens/s over the timed runs."""
     rows, outputs = [], {}
-    for use_cache in (False, True):
+    for mode in modes_for(prompt.device):
         for _ in range(args.warmup):
-            timed_generate(model, prompt, args.new_tokens, use_cache)
+            timed_generate(model, prompt, args.new_tokens, mode)
         seconds = []
         for _ in range(args.repeats):
-            elapsed, outputs[use_cache] = timed_generate(model, prompt, args.new_tokens, use_cache)
+            elapsed, outputs[mode] = timed_generate(model, prompt, args.new_tokens, mode)
             seconds.append(elapsed)
         median = statistics.median(seconds)
-        rows.append({"use_cache": use_cache, "median_s": median, "runs_s": seconds,
+        rows.append({"mode": mode, **MODES[mode], "median_s": median, "runs_s": seconds,
                      "tokens_per_s": prompt.size(0) * args.new_tokens / median})
-    # greedy tokens agree unless rounding in a low-precision dtype flips a near-tie of the logits
-    same = torch.equal(outputs[False], outputs[True])
-    return [{**row, "same_tokens": same} for row in rows]
+    # greedy tokens agree with the uncached ones unless rounding in a low-precision dtype flips a
+    # near-tie of the logits
+    return [{**row, "same_tokens": torch.equal(outputs[row["mode"]], outputs["no cache"])} for row in rows]
 
 
 def run(args) -> dict:
@@ -94,7 +109,7 @@ def run(args) -> dict:
                                    generator=torch.Generator(device).manual_seed(args.seed))
             for row in measure(model, prompt, args):
                 results["rows"].append({"backend": backend, "B": B, **row})
-                print(f"{backend} B={B} cache={row['use_cache']}: {row['tokens_per_s']:,.1f} tokens/s")
+                print(f"{backend} B={B} {row['mode']}: {row['tokens_per_s']:,.1f} tokens/s")
             write_json(out_dir / "results.json", results)  # after every cell: a run cut off keeps what it measured
         del model
     table = report(results)
@@ -105,23 +120,27 @@ def run(args) -> dict:
 
 
 def report(results: dict) -> str:
-    """Markdown: tokens/s without and with the cache, and the speed-up, per backend and batch size."""
+    """Markdown: tokens/s per mode and the speed-ups over no cache, per backend and batch size."""
     env, settings = results["env"], results["settings"]
-    cells = {(r["backend"], r["B"], r["use_cache"]): r for r in results["rows"]}
+    cells = {(r["backend"], r["B"], r["mode"]): r for r in results["rows"]}
     rows = []
     for backend, B in dict.fromkeys((r["backend"], r["B"]) for r in results["rows"]):
-        plain, cached = cells[backend, B, False], cells[backend, B, True]  # measure() writes both
-        speedup = cached["tokens_per_s"] / plain["tokens_per_s"]
-        rows.append([backend, B, fmt(plain["tokens_per_s"]), fmt(cached["tokens_per_s"]), f"{fmt(speedup)}x",
-                     "yes" if cached["same_tokens"] else "no"])
-    title = (f"# generate(): tokens/s without and with the KV cache\n\n"
+        measured = [cells.get((backend, B, mode)) for mode in MODES]  # no cache, cache, cache+graph (CUDA only)
+        plain = measured[0]
+        rows.append([backend, B,
+                     *(fmt(r["tokens_per_s"]) if r else "-" for r in measured),
+                     *(f"{fmt(r['tokens_per_s'] / plain['tokens_per_s'])}x" if r else "-" for r in measured[1:]),
+                     " / ".join(("yes" if r["same_tokens"] else "no") if r else "-" for r in measured[1:])])
+    title = (f"# generate(): tokens/s without the KV cache, with it, and with the decode step in a CUDA graph\n\n"
              f"{settings['init_from'] or settings['model']}, {settings['dtype']}, prompt {settings['prompt_len']} "
              f"tokens, {settings['new_tokens']} new tokens (greedy), median of {settings['repeats']} runs after "
              f"{settings['warmup']} warm-up; {env['gpu'] or env['device']}, torch {env['torch']}, "
              f"triton {env['triton']}, {env['date']}\n\n")
-    header = ["backend", "B", "tokens/s, no cache", "tokens/s, cache", "speed-up", "same greedy tokens"]
-    note = ("\nsame greedy tokens: both paths generated identical tokens. In bf16 or fp16 rounding can flip a "
-            "near-tie of the logits, and random weights give near-uniform logits, so a 'no' there is no bug.\n")
+    header = ["backend", "B", "tokens/s, no cache", "tokens/s, cache", "tokens/s, cache+graph",
+              "speed-up, cache", "speed-up, cache+graph", "same greedy tokens (cache / cache+graph)"]
+    note = ("\nsame greedy tokens: the cached path generated the tokens of the uncached one. In bf16 or fp16 "
+            "rounding can flip a near-tie of the logits, and random weights give near-uniform logits, so a 'no' "
+            "there is no bug. '-': not measured (CUDA graphs need a CUDA device).\n")
     return title + markdown_table(header, rows) + note
 
 

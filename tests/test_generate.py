@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import attention
+import model as model_module
+from attention.decode import decode_attention
 from benchmarks import generate as bench
-from model import GPT, GPTConfig, KVCache
+from model import GPT, DecodeStep, GPTConfig, KVCache
 
 # head dim 16: the smallest tl.dot takes; a small vocabulary keeps the interpreter quick
 TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -48,15 +50,22 @@ def test_cache_runs_one_query_per_step_until_the_window_is_full(monkeypatch):
     seen = []
 
     def spy(q, k, v, causal, scale):
-        seen.append((q.size(2), k.size(2)))
+        seen.append(("attention", q.size(2), k.size(2)))
         return attention.registry.naive_attention(q, k, v, causal, scale)
 
+    def decode_spy(q, k_cache, v_cache, cache_len, backend):
+        seen.append(("decode", q.size(2), k_cache.size(2), cache_len.tolist()))
+        return decode_attention(q, k_cache, v_cache, cache_len, backend="naive")
+
     monkeypatch.setitem(attention.registry._BACKENDS, "spy", spy)
+    monkeypatch.setattr(model_module, "decode_attention", decode_spy)
     tiny_model("spy", block_size=8).generate(prompt(), 8, temperature=0)
     per_step = seen[::TINY["n_layer"]]
-    assert seen == [shape for shape in per_step for _ in range(TINY["n_layer"])]
-    # prefill of 3, one new token against 4..8 keys, then re-prefills of the last 8 tokens
-    assert per_step == [(3, 3), (1, 4), (1, 5), (1, 6), (1, 7), (1, 8), (8, 8), (8, 8)]
+    assert seen == [call for call in per_step for _ in range(TINY["n_layer"])]
+    # prefill of 3; then one new token against the whole 8-position buffer, 4..8 of them valid (the
+    # length a device tensor); then the window is full: re-prefills of the last 8 tokens
+    assert per_step == [("attention", 3, 3), *[("decode", 1, 8, [n]) for n in range(4, 9)],
+                        ("attention", 8, 8), ("attention", 8, 8)]
 
 
 def test_sampling_with_a_fixed_seed_is_the_same_with_and_without_cache():
@@ -81,6 +90,36 @@ def test_cached_logits_match_the_full_forward(backend):
             logits, _ = model(idx[:, start:end], kv_caches=caches)
             torch.testing.assert_close(logits, full[:, start:end], rtol=1e-5, atol=1e-5)
     assert [c.length for c in caches] == [11, 11]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_decode_step_logits_match_the_full_forward(backend):
+    # prefill 4 tokens, then the static step of generate() for each of the next 6
+    model = tiny_model(backend)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
+    full, _ = model(idx)  # (B, T, vocab)
+    caches = [KVCache(max_len=12) for _ in range(TINY["n_layer"])]  # 2 positions never written
+    with torch.no_grad():
+        model(idx[:, :4], kv_caches=caches)
+        step = DecodeStep(model, caches, idx[:, 4:5], cuda_graph=False)
+        buffer = caches[0].k.data_ptr()
+        for t in range(4, 10):
+            torch.testing.assert_close(step(idx[:, t:t + 1]), full[:, t], rtol=1e-5, atol=1e-5)
+    assert [c.length for c in caches] == [10, 10] and step.pos.tolist() == [10] and step.cache_len.tolist() == [11]
+    assert caches[0].k.data_ptr() == buffer  # written in place
+    caches[0].clear()
+    assert caches[0].step_pos is None and caches[0].length == 0  # back to extend() for the next prefill
+
+
+def test_cuda_graph_needs_the_cache_and_a_gpu():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="cuda_graph=True .* needs use_cache=True and idx on a CUDA device"):
+        model.generate(prompt(), 2, cuda_graph=True)
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model.generate(prompt(), 2, use_cache=False, cuda_graph=True)
+    # cuda_graph=False is the default on the CPU: the same tokens either way
+    assert torch.equal(model.generate(prompt(), 4, temperature=0, cuda_graph=False),
+                       model.generate(prompt(), 4, temperature=0))
 
 
 def test_cache_writes_in_place_into_one_buffer():
@@ -123,23 +162,47 @@ def test_benchmark_runs_a_toy_model_and_writes_json_and_table(tmp_path):
                           "--out_dir", str(tmp_path)])
     assert json.loads((tmp_path / "results.json").read_text()) == results
     rows = results["rows"]
-    assert [(r["B"], r["use_cache"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    # no CUDA graph on the CPU: two modes per batch size
+    assert [(r["B"], r["mode"], r["use_cache"]) for r in rows] == [
+        (1, "no cache", False), (1, "cache", True), (2, "no cache", False), (2, "cache", True)]
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(r["B"] * 3 / r["median_s"]) and len(r["runs_s"]) == 1
     table = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| naive")]
     assert len(table) == 2 and table[0].startswith("| naive | 1 | ") and table[1].startswith("| naive | 2 | ")
     cells = table[1].strip("| ").split(" | ")
-    assert cells[4] == bench.fmt(rows[3]["tokens_per_s"] / rows[2]["tokens_per_s"]) + "x"
-    assert cells[5] == ("yes" if rows[3]["same_tokens"] else "no")
+    assert cells[2:5] == [bench.fmt(rows[2]["tokens_per_s"]), bench.fmt(rows[3]["tokens_per_s"]), "-"]
+    assert cells[5:7] == [bench.fmt(rows[3]["tokens_per_s"] / rows[2]["tokens_per_s"]) + "x", "-"]
+    assert cells[7] == ("yes" if rows[3]["same_tokens"] else "no") + " / -"
+
+
+def test_benchmark_measures_the_graph_mode_on_cuda_only():
+    assert bench.modes_for(torch.device("cpu")) == ["no cache", "cache"]
+    assert bench.modes_for(torch.device("cuda")) == ["no cache", "cache", "cache+graph"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "triton"])
-def test_gpu_greedy_tokens_same_with_and_without_cache(backend):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_greedy_tokens_same_with_and_without_cache_and_graph(backend):
     # GPT-2's head size and width, fp32 so that rounding cannot flip the argmax
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=12, n_embd=768, attn=backend))
     model = with_large_weights(model.cuda().eval())
     idx = torch.randint(0, 64, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    cached = model.generate(idx, 96, temperature=0)  # past block_size: the window slides
-    assert torch.equal(cached, model.generate(idx, 96, temperature=0, use_cache=False))
+    uncached = model.generate(idx, 96, temperature=0, use_cache=False)  # past block_size: the window slides
+    assert len(uncached[0, 64:].unique()) > 3
+    assert torch.equal(model.generate(idx, 96, temperature=0, cuda_graph=False), uncached)
+    assert torch.equal(model.generate(idx, 96, temperature=0), uncached)  # cuda_graph on by default on CUDA
+    torch.manual_seed(5)
+    sampled = model.generate(idx, 40, temperature=1.0, top_k=10, use_cache=False)
+    torch.manual_seed(5)
+    assert torch.equal(model.generate(idx, 40, temperature=1.0, top_k=10, cuda_graph=True), sampled)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_captures_the_decode_step_once(monkeypatch):
+    captures = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda real=torch.cuda.CUDAGraph: captures.append(1) or real())
+    model = tiny_model("triton").cuda()
+    out = model.generate(prompt().cuda(), 12, temperature=0)  # block_size 16: 12 decode steps, no slide
+    assert len(captures) == 1
+    assert torch.equal(out, model.generate(prompt().cuda(), 12, temperature=0, use_cache=False))
