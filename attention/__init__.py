@@ -4,8 +4,9 @@
     y = attention(q, k, v, causal=True, backend="triton")   # q, k, v: (B, nh, T, hs)
     y = Attention(backend="triton")(q, k, v)                # the same, as an nn.Module
 """
+from .block_mask import BlockMask
 from .masks import causal_mask
 from .module import Attention
 from .registry import attention, available_backends, get_backend, register_backend
 
-__all__ = ["attention", "Attention", "available_backends", "get_backend", "register_backend", "causal_mask"]
+__all__ = ["Attention", "BlockMask", "attention", "available_backends", "causal_mask", "get_backend", "register_backend"]

@@ -1,40 +1,59 @@
-"""One call for every backend: attention(q, k, v, causal=True, scale=None, backend="sdpa")."""
-from typing import Callable
+"""One call for every backend: attention(q, k, v, causal=True, scale=None, backend="sdpa", ...)."""
+from collections.abc import Callable
 
 import torch
 
+from .block_mask import BlockMask
 from .compiled import compiled_attention
+from .masks import check_document_ids, check_window
 from .naive import naive_attention
 from .sdpa import sdpa_attention
 from .validate import check_qkv
 
 
-def _triton_attention(q, k, v, causal: bool, scale: float):
+def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
     # Imported on first use: Triton decides at import time whether its kernels run compiled on the
     # GPU or in the CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
     from .triton_op import triton_attention
 
-    return triton_attention(q, k, v, causal, scale)
+    return triton_attention(q, k, v, causal, scale, mask=mask)
 
 
-# name -> fn(q, k, v, causal, scale) on validated (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors
+def _with_dense_mask(fn: Callable) -> Callable:
+    """A reference backend on a sparse call: it applies the BlockMask's element-level mask, (Tq, Tk)
+    booleans per batch row/head, so it costs O(T^2) memory like the scores themselves."""
+    def masked(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
+        if mask is None:
+            return fn(q, k, v, causal=causal, scale=scale)
+        return fn(q, k, v, causal=False, scale=scale, visible=mask.dense(q.shape[0], q.shape[1], q.device))
+    return masked
+
+
+# name -> fn(q, k, v, causal, scale[, mask]) on validated (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors
 _BACKENDS: dict[str, Callable] = {
-    "naive": naive_attention,
-    "compile": compiled_attention,
-    "sdpa": sdpa_attention,
+    "naive": _with_dense_mask(naive_attention),
+    "compile": _with_dense_mask(compiled_attention),
+    "sdpa": _with_dense_mask(sdpa_attention),
     "triton": _triton_attention,
 }
+_SUPPORTS_MASKS = {"naive", "compile", "sdpa", "triton"}
+# (Tq, Tk, causal, window, device) -> BlockMask: a model passes the same window to every layer
+_rule_masks: dict[tuple, BlockMask] = {}
 
 
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def register_backend(name: str, fn: Callable) -> None:
-    """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D)."""
+def register_backend(name: str, fn: Callable, supports_masks: bool = False) -> None:
+    """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D). With supports_masks it is also
+    called as fn(q, k, v, causal, scale, mask=block_mask) for window / document / block-mask calls
+    (mask: an attention.BlockMask that already holds the causal rule)."""
     if name in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is already registered")
     _BACKENDS[name] = fn
+    if supports_masks:
+        _SUPPORTS_MASKS.add(name)
 
 
 def get_backend(name: str) -> Callable:
@@ -53,20 +72,69 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     backend: str = "sdpa",
+    *,
+    window: tuple[int, int] | None = None,
+    document_ids: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention softmax(q k^T * scale) v.
 
     q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D) with Hq a multiple of Hkv (grouped-query attention).
     causal: query i sees keys up to i + Tk - Tq (bottom-right aligned; see masks.py).
     scale: defaults to 1/sqrt(D). Returns (B, Hq, Tq, D) in the dtype of q.
+    Sparse attention (every rule given ANDs with the others; a query that sees no key returns 0):
+    window: (left, right) in tokens, -1 = unbounded, e.g. (1024, 0) with causal for a sliding window.
+    document_ids: (B, Tk) integer document id per position (packed sequences): no attention across
+        documents. The queries are the last Tq positions.
+    block_mask: an attention.BlockMask (from a mask function or a block layout), built once and
+        reused across layers and calls.
     """
     fn = get_backend(backend)
     check_qkv(q, k, v, scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if causal and q.shape[2] == 1:
-        # one query, aligned bottom-right, is the last position and sees every key: the causal mask
-        # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
-        # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
-        causal = False
-    return fn(q, k, v, causal=causal, scale=float(scale))
+    if window in (None, (-1, -1)) and document_ids is None and block_mask is None:
+        if causal and q.shape[2] == 1:
+            # one query, aligned bottom-right, is the last position and sees every key: the causal mask
+            # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
+            # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
+            causal = False
+        return fn(q, k, v, causal=causal, scale=float(scale))
+    if backend not in _SUPPORTS_MASKS:
+        raise ValueError(f"backend {backend!r} does not support window / document_ids / block_mask; "
+                         f"use one of: {', '.join(sorted(_SUPPORTS_MASKS))}")
+    mask = _sparse_mask(q, k, causal, window, document_ids, block_mask)
+    return fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask)
+
+
+def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:
+    """The one BlockMask that holds every rule of the call, checked against the tensors."""
+    (B, Hq, Tq, _), Tk = q.shape, k.shape[2]
+    if window is not None:
+        window = check_window(window)
+    if document_ids is not None:
+        check_document_ids(document_ids, Tq, B, Tk)
+        if document_ids.device != q.device:
+            raise ValueError(f"document_ids are on {document_ids.device} but q is on {q.device}; "
+                             "move them with .to(q.device)")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be an attention.BlockMask, got {type(block_mask).__name__}; "
+                            "build one with BlockMask.from_mask_fn(...) or BlockMask.from_layout(...)")
+        Bm, Hm = block_mask.state.shape[:2]
+        if (block_mask.Tq, block_mask.Tk) != (Tq, Tk) or Bm not in (1, B) or Hm not in (1, Hq):
+            raise ValueError(
+                f"block_mask was built for Tq={block_mask.Tq}, Tk={block_mask.Tk}, batch {Bm}, heads {Hm} but the "
+                f"call has Tq={Tq}, Tk={Tk}, batch {B}, query heads {Hq}; build it for these sizes "
+                "(batch/heads 1 broadcast)")
+        if block_mask.state.device != q.device:
+            raise ValueError(f"block_mask is on {block_mask.state.device} but q is on {q.device}; "
+                             "build it with device=q.device")
+        return block_mask.restrict(causal=causal, window=window, document_ids=document_ids)
+    if document_ids is not None or torch.compiler.is_compiling():
+        # document ids change with every batch; under torch.compile the build is traced into the graph
+        return BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids, device=q.device)
+    key = (Tq, Tk, causal, window, q.device)
+    if key not in _rule_masks:
+        _rule_masks[key] = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, device=q.device)
+    return _rule_masks[key]

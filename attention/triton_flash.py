@@ -14,6 +14,7 @@ Shape comments: M = BLOCK_M query rows, N = BLOCK_N key rows, D = BLOCK_D, the h
 a power of two (columns >= HEAD_DIM load as 0 and are never stored, so nothing is copied).
 """
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -73,14 +74,17 @@ def smem_bytes(kernel: str, tile: tuple, block_d: int, elem_bytes: int) -> int:
     return (held + stages * streamed) * block_d * elem_bytes
 
 
-def candidate_tiles(kernel: str, block_d: int, elem_bytes: int) -> list[tuple]:
+def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int | None = None) -> list[tuple]:
     """The tiles worth timing for one call: its head-dim class's candidates that fit in shared
-    memory for this dtype, in table order (2-4 of them, so first-call tuning stays short).
+    memory for this dtype, in table order (2-4 of them, so first-call tuning stays short), and for a
+    block-sparse call (§10) that divide the mask's blocks, which the kernels walk tile by tile.
     NANOFLASH_AUTOTUNE=0 keeps only the first (no timing, e.g. for quick tests)."""
-    if INTERPRET:
-        return [INTERPRETER_TILES[kernel]]
-    kept = [tile for tile in HOPPER_TILES[kernel][head_dim_class(block_d)]
-            if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET]
+    tiles = [INTERPRETER_TILES[kernel]] if INTERPRET else HOPPER_TILES[kernel][head_dim_class(block_d)]
+    kept = [tile for tile in tiles if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET
+            and (mask_block is None or mask_block % tile[0] == 0 and mask_block % tile[1] == 0)]
+    if not kept:
+        raise ValueError(f"a block mask with block_size={mask_block} is smaller than every {kernel} tile of the "
+                         f"kernel for head_dim {block_d}; build the BlockMask with block_size=128")
     return kept[:1] if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" else kept
 
 
@@ -95,11 +99,11 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args: tuple, constants: dict, Tq:
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
     GPT-2's shape on the H200 box (benchmarks/launch_overhead.py); here the key is a small tuple."""
-    key = (kernel, constants["HEAD_DIM"], constants["CAUSAL"], dtype,
-           triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
+    key = (kernel, tuple(constants.items()), dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     tile = _best_tile.get(key)
     if tile is None:
-        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize)
+        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize,
+                                     constants["MASK_BLOCK"] if constants["SPARSE"] else None)
 
         def run(tile):
             block_m, block_n, warps, stages = tile
@@ -142,13 +146,34 @@ def _store_rows(base, tile, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl
 
 
 @triton.jit
-def _visible(q_pos, k_pos, Tq, Tk, CAUSAL: tl.constexpr):
-    """True where query q_pos may attend to key k_pos (broadcast shapes, e.g. (M, 1) and (1, N)):
-    the key exists and, if causal, is not in the query's future (bottom-right aligned, §6)."""
-    mask = k_pos < Tk
-    if CAUSAL:
-        mask = mask & (k_pos <= q_pos + (Tk - Tq))
+def _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS, tile_id,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+             MASK_BLOCK: tl.constexpr):
+    """True where query q_pos may attend to key k_pos (broadcast shapes, e.g. (M, 1) and (1, N)).
+    Only tiles that need a mask call this: the AND of every rule the call uses (§6, §10).
+    Positions are bottom-right aligned: query i sits at absolute position i + Tk - Tq."""
+    q_abs = q_pos + (Tk - Tq)
+    mask = k_pos < Tk  # the key exists
+    if CAUSAL:  # not in the query's future
+        mask = mask & (k_pos <= q_abs)
+    if WINDOW:  # §10 sliding window: no further than window_left behind, window_right ahead
+        mask = mask & (k_pos >= q_abs - window_left) & (k_pos <= q_abs + window_right)
+    if DOCS:  # §10 documents: DOC_IDS points at this batch row's document id per position
+        q_doc = tl.load(DOC_IDS + q_abs, mask=(q_pos < Tq) & (q_abs >= 0), other=-1)
+        k_doc = tl.load(DOC_IDS + k_pos, mask=k_pos < Tk, other=-2)
+        mask = mask & (q_doc == k_doc)
+    if BITS:  # §10 a mask function's partial block, evaluated once on the host: (MASK_BLOCK, MASK_BLOCK) bytes
+        offset = tile_id.to(tl.int64) * MASK_BLOCK * MASK_BLOCK + (q_pos % MASK_BLOCK) * MASK_BLOCK + k_pos % MASK_BLOCK
+        # tile_id -1 (the mask function sees this whole block; another rule made it partial) gives
+        # offsets in [-MASK_BLOCK**2, 0): nothing to load, every pair visible
+        mask = mask & (tl.load(TILE_BITS + offset, mask=offset >= 0, other=1) != 0)
     return mask
+
+
+@triton.jit
+def _causal_visible(q_pos, k_pos, Tq, Tk, CAUSAL: tl.constexpr):
+    """_visible for dense attention: the causal rule (if any) and the end of the keys."""
+    return _visible(q_pos, k_pos, Tq, Tk, 0, 0, None, None, -1, CAUSAL, False, False, False, 16)
 
 
 @triton.jit
@@ -185,38 +210,46 @@ def _query_ranges(start_n, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return lo, diag_end, full_end
 
 
+@triton.jit
+def _listed_tile(row, i, n_blocks, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """§10: the i-th tile of the blocks a block-mask row lists (row = [n_full, n_listed, blocks...,
+    tile ids...], see attention/block_mask.py), counting TILE-wide tiles: each block holds
+    MASK_BLOCK // TILE of them. One flat loop over tiles (not a loop per block) lets Triton's software
+    pipelining prefetch across block boundaries. -> (first position of the tile, the block's tile id)."""
+    TILES_PER_BLOCK: tl.constexpr = MASK_BLOCK // TILE
+    j = i // TILES_PER_BLOCK
+    start = tl.load(row + 2 + j) * MASK_BLOCK + (i % TILES_PER_BLOCK) * TILE
+    return start, tl.load(row + 2 + n_blocks + j)
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward (§2 online softmax, §3 tiling, §4 log-sum-exp)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-               start, end, Tq, Tk, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold the key tiles [start, end) into one query tile's running max m_i, running sum l_i and
-    unnormalised output acc. MASKED tiles apply the causal/end-of-keys mask; the others do not."""
-    for start_n in range(start, end, BLOCK_N):
-        k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, MASKED)  # (N, D)
-        v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, MASKED)  # (N, D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N), fp32 sums
-        if MASKED:
-            qk = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), qk, float("-inf"))
-        # §2 online softmax: move the running max, rescale what was summed under the old one.
-        # §8 exp2: scores in base 2, s = q.k * scale * log2(e); the max commutes with that positive
-        # factor, so scaling the row max and then qk * qk_scale - m is one fused multiply-add
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (M,)
-        m_ref = m_new
-        if MASKED:
-            # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
-            # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk * qk_scale - m_ref[:, None])  # (M, N)
-        alpha = tl.exp2(m_i - m_ref)  # (M,)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
-        m_i = m_new
-    return acc, m_i, l_i
+def _fwd_tile(acc, m_i, l_i, q, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
+              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key tile k_pos (N,) into one query tile's running max m_i, running sum l_i and
+    unnormalised output acc. visible: the (M, N) mask of a tile that needs one; None for a tile
+    every row sees whole (then no mask is built and no load is bounds-checked)."""
+    k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
+    v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N), fp32 sums
+    if visible is not None:
+        qk = tl.where(visible, qk, float("-inf"))
+    # §2 online softmax: move the running max, rescale what was summed under the old one.
+    # §8 exp2: scores in base 2, s = q.k * scale * log2(e); the max commutes with that positive
+    # factor, so scaling the row max and then qk * qk_scale - m is one fused multiply-add
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (M,)
+    m_ref = m_new
+    if visible is not None:
+        # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
+        # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk * qk_scale - m_ref[:, None])  # (M, N)
+    alpha = tl.exp2(m_i - m_ref)  # (M,)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -226,8 +259,11 @@ def _attn_fwd(Q, K, V, O, LSE,
               stride_vb, stride_vh, stride_vt, stride_vd,
               stride_ob, stride_oh, stride_ot, stride_od,
               H, GROUP, Tq, Tk, scale,
+              BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
+              window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -236,6 +272,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)
     V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
     O = _head_base(O, b, h, stride_ob, stride_oh)
+    if DOCS:
+        DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
     q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
@@ -245,12 +283,34 @@ def _attn_fwd(Q, K, V, O, LSE,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
-    # §6: the fully visible key tiles first, unmasked; then the few that need the mask
-    full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                               0, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                               full_end, end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+    if SPARSE:
+        # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones
+        # unmasked, then the PARTIAL ones masked; SKIP blocks are never loaded
+        row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_m // MASK_BLOCK) * (2 + 2 * n_blocks)
+        n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
+        n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
+        for i in range(n_full):
+            start_n, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                                      stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        for i in range(n_full, n_listed):
+            start_n, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
+                               tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
+                                      cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+    else:
+        # §6: the fully visible key tiles first, unmasked; then the few that need the mask
+        full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                                      stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_end, end, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _causal_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
+                                      cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
 
     # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
     # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0
@@ -266,27 +326,24 @@ def _attn_fwd(Q, K, V, O, LSE,
 # with P recomputed tile by tile from the saved log-sum-exp.
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, cols,
-                start, end, Tq, Tk, qk_scale,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the query tiles [start, end) of one head into a key tile's dK, dV. Computed transposed
-    (keys as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes."""
-    for start_m in range(start, end, BLOCK_M):
-        q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
-        q = _load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, MASKED)  # (M, D)
-        do = _load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, MASKED)  # (M, D)
-        # rows past Tq load lse = +inf, which makes their P (and so dS) exactly 0
-        lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,), base 2
-        delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
-        # §4: recompute P^T = exp2(s - lse) instead of having stored the (Tq, Tk) matrix
-        pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])  # (N, M)
-        if MASKED:
-            pT = tl.where(_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL), pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
-        dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
+def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq,
+               qk_scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the query tile q_pos (M,) of one head into a key tile's dK, dV. Computed transposed (keys
+    as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
+    (N, M) mask, or None for a tile that needs none."""
+    q = _load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
+    do = _load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
+    # rows past Tq load lse = +inf, which makes their P (and so dS) exactly 0
+    lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,), base 2
+    delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
+    # §4: recompute P^T = exp2(s - lse) instead of having stored the (Tq, Tk) matrix
+    pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])  # (N, M)
+    if visibleT is not None:
+        pT = tl.where(visibleT, pT, 0.0)
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
+    dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
     return dk, dv
 
 
@@ -299,12 +356,18 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
                    H, GROUP, Tq, Tk, scale,
+                   BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
+                   window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+                   MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     H_kv = H // GROUP
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
+    if DOCS:
+        DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
     k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
@@ -316,7 +379,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
-    lo, diag_end, full_end = _query_ranges(start_n, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
     # §7 GQA gradient sum: every query head that reads this kv head adds into the same registers,
     # one head after the other, so no two programs write the same dK/dV rows (no atomics)
     for g in range(GROUP):
@@ -325,14 +387,38 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         DOh = _head_base(DO, b, h, stride_dob, stride_doh)
         LSEh = LSE + (b * H + h).to(tl.int64) * Tq
         DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
-        # §6: diagonal tiles masked, fully visible ones not, the ragged last query tile masked
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                             cols, lo, diag_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, True, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                             cols, diag_end, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, False,
-                             DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                             cols, full_end, Tq, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, True, DOT_PRECISION)
+        if SPARSE:
+            # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
+            row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_n // MASK_BLOCK) * (2 + 2 * n_blocks)
+            n_full = tl.load(row) * (MASK_BLOCK // BLOCK_M)  # in tiles
+            n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_M)
+            for i in range(n_full):
+                start_m, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+            for i in range(n_full, n_listed):
+                start_m, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_M)
+                q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+                visibleT = _visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
+                                    tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+        else:
+            # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one masked
+            lo, diag_end, full_end = _query_ranges(start_n, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
+            for start_m in range(lo, diag_end, BLOCK_M):
+                q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+                visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+            for start_m in range(diag_end, full_end, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+            for start_m in range(full_end, Tq, BLOCK_M):
+                q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+                visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
 
     DK = _head_base(DK, b, h_kv, stride_dkb, stride_dkh)
     DV = _head_base(DV, b, h_kv, stride_dvb, stride_dvh)
@@ -341,22 +427,17 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-              start, end, Tq, Tk, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the key tiles [start, end) into one query tile's dQ."""
-    for start_n in range(start, end, BLOCK_N):
-        k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, MASKED)  # (N, D)
-        v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, MASKED)  # (N, D)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
-        if MASKED:
-            p = tl.where(_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
-        ds = p * (dp - delta[:, None])  # §5 (M, N)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K  (M, D)
-    return dq
+def _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
+             visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the key tile k_pos (N,) into one query tile's dQ; visible as in _fwd_tile."""
+    k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
+    v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
+    if visible is not None:
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
+    ds = p * (dp - delta[:, None])  # §5 (M, N)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K  (M, D)
 
 
 @triton.jit
@@ -368,13 +449,18 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  stride_dob, stride_doh, stride_dot, stride_dod,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                  H, GROUP, Tq, Tk, scale,
+                 BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
+                 window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+                 MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
     V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
+    if DOCS:
+        DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
     q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
@@ -393,11 +479,31 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
-    full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)  # §6, as in the forward
-    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                   0, full_end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, False, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, q_pos, K, V, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                   full_end, end, Tq, Tk, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, True, DOT_PRECISION)
+    if SPARSE:  # §10, the same key blocks as the forward pass visited
+        row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_m // MASK_BLOCK) * (2 + 2 * n_blocks)
+        n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
+        n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
+        for i in range(n_full):
+            start_n, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                          stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        for i in range(n_full, n_listed):
+            start_n, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
+                               tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+    else:
+        full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)  # §6, as in the forward
+        for start_n in range(0, full_end, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                          stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_end, end, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _causal_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     DQ = _head_base(DQ, b, h, stride_dqb, stride_dqh)
     _store_rows(DQ, dq * scale, q_pos, Tq, stride_dqt, cols, stride_dqd, HEAD_DIM)
 
@@ -411,7 +517,7 @@ def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tens
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-def _constants(q: torch.Tensor, causal: bool) -> dict:
+def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
@@ -420,23 +526,59 @@ def _constants(q: torch.Tensor, causal: bool) -> dict:
         # §8: fp32 inputs get exact fp32 products; TF32 would add ~1e-3 relative error. fp16 and
         # bf16 dots are exact products with fp32 sums either way ("tf32" is Triton's default).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPARSE=mask.kv_blocks is not None,
+        WINDOW=mask.window is not None,
+        DOCS=mask.document_ids is not None,
+        BITS=mask.tile_bits is not None,
+        MASK_BLOCK=mask.block_size,
     )
 
 
-def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+class MaskArgs(NamedTuple):
+    """A block-sparse call's mask as plain tensors and numbers (§10); all None for dense attention.
+    attention/block_mask.py builds them; the PyTorch op (triton_op.py) passes them through."""
+    kv_blocks: torch.Tensor | None = None  # (Bm, Hm, n_q_blocks, 2 + 2 n_kv_blocks) int32, forward and dQ
+    q_blocks: torch.Tensor | None = None  # (Bm, Hm, n_kv_blocks, 2 + 2 n_q_blocks) int32, dK/dV
+    window: tuple[int, int] | None = None  # (left, right), -1 = unbounded
+    document_ids: torch.Tensor | None = None  # (B, Tk) integer
+    tile_bits: torch.Tensor | None = None  # (n_tiles, block, block) uint8
+    block_size: int = 16  # unused when dense
+
+
+DENSE = MaskArgs()
+
+
+def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
+    """The kernels' mask arguments (BLOCKS ... TILE_BITS) for one block list (kv or q direction)."""
+    if lists is None:
+        return (None, 0, 0, 0, 0, 0, None, 0, None)
+    Bm, Hm, rows, row_len = lists.shape
+    # size-1 (broadcast) batch/head dims of the mask get stride 0: every batch row / head reads the same lists
+    stride_b = Hm * rows * row_len if Bm > 1 else 0
+    stride_h = rows * row_len if Hm > 1 else 0
+    left, right = mask.window or (-1, -1)
+    unbounded = 2 * Tk  # -1: farther than any key can be
+    docs = mask.document_ids
+    return (lists, stride_b, stride_h, (row_len - 2) // 2, unbounded if left < 0 else left,
+            unbounded if right < 0 else right, docs, docs.stride(0) if docs is not None else 0, mask.tile_bits)
+
+
+def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
     that see no key)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     o = empty_bthd(B, Hq, Tq, D, q)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
+            *_mask_args(mask, mask.kv_blocks, Tk))
     _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-            args, _constants(q, causal), Tq, Tk, q.dtype)
+            args, _constants(q, causal, mask), Tq, Tk, q.dtype)
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def backward(do, q, k, v, o, lse, causal: bool, scale: float,
+             mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv, shaped like q, k, v."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -444,14 +586,14 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float) -> tuple[torch.Ten
     dk = empty_bthd(B, Hkv, Tk, D, k)
     dv = empty_bthd(B, Hkv, Tk, D, v)
     delta = torch.empty_like(lse)
-    constants = _constants(q, causal)
+    constants = _constants(q, causal, mask)
     seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
 
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
             (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-             *dq.stride(), *seq_args), constants, Tq, Tk, q.dtype)
+             *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype)
     _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
             (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-             *dv.stride(), *seq_args), constants, Tq, Tk, q.dtype)
+             *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype)
     return dq, dk, dv

@@ -6,6 +6,9 @@ graph break; FlashAttentionFunction wires the backward op to the forward for aut
 
     from attention.triton_op import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
+
+Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
+same ops as optional arguments (triton_flash.MaskArgs): custom ops take tensors and numbers only.
 """
 import torch
 
@@ -16,15 +19,34 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a 256-wide tile is the most that fits on chip
 
 
+# The mask arguments every op takes after (causal, scale): MaskArgs flattened into op-legal types
+MaskTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left: int, window_right: int,
+               block_size: int) -> triton_flash.MaskArgs:
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    return triton_flash.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
+
+
+def _flat(mask: triton_flash.MaskArgs) -> tuple:
+    left, right = mask.window or (-1, -1)
+    return mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size
+
+
 @torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
 def flash_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
+    window_left: int = -1, window_right: int = -1, block_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return triton_flash.forward(q, k, v, causal, scale)
+    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
+    return triton_flash.forward(q, k, v, causal, scale, mask)
 
 
 @flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, causal, scale):
+def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
     B, Hq, Tq, D = q.shape
     return triton_flash.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
@@ -34,39 +56,43 @@ def _flash_attn_fwd_fake(q, k, v, causal, scale):
 def flash_attn_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, scale: float,
+    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
+    window_left: int = -1, window_right: int = -1, block_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return triton_flash.backward(do, q, k, v, o, lse, causal, scale)
+    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
+    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, mask)
 
 
 @flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale):
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
-def _fwd(q, k, v, causal: bool, scale: float):
+def _fwd(q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
     # Under torch.compile the custom op keeps the kernel one opaque node with a fake impl. In eager
     # mode the launcher is called directly: a custom op call passes through ~8 Python frames
     # (autograd fallback, redispatch, dynamo guard), and at GPT-2's shape on the H200 box the host
     # time of those layers exceeded the kernels' GPU time (benchmarks/launch_overhead.py).
     if torch.compiler.is_compiling():
-        return flash_attn_fwd(q, k, v, causal, scale)
-    return triton_flash.forward(q, k, v, causal, scale)
+        return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask))
+    return triton_flash.forward(q, k, v, causal, scale, mask)
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, scale: float):
+def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_flash.MaskArgs):
     if torch.compiler.is_compiling():  # as in _fwd
-        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale)
-    return triton_flash.backward(do, q, k, v, o, lse, causal, scale)
+        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask))
+    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, mask)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd for the kernels; torch.compile traces through it to the custom ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        o, lse = _fwd(q, k, v, causal, scale)
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+        o, lse = _fwd(q, k, v, causal, scale, mask)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
         ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
@@ -74,8 +100,17 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask)
+        return dq, dk, dv, None, None, None
+
+
+def _kernel_mask(mask) -> triton_flash.MaskArgs:
+    """A BlockMask as the kernels' arguments (the block lists are built once per BlockMask and cached)."""
+    if mask is None:
+        return triton_flash.DENSE
+    docs = mask.document_ids
+    return triton_flash.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
+                                 docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size)
 
 
 def _check_kernel_support(q: torch.Tensor) -> None:
@@ -123,8 +158,9 @@ def flash_attention(
     return triton_attention(q, k, v, causal, float(scale), return_lse)
 
 
-def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False):
-    """flash_attention for inputs that already passed check_qkv (the registry checks them once)."""
+def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None):
+    """flash_attention for inputs that already passed check_qkv (the registry checks them once).
+    mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule)."""
     _check_kernel_support(q)
-    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale)
+    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, _kernel_mask(mask))
     return (out, lse) if return_lse else out

@@ -22,17 +22,21 @@ def out_and_grads(fn, q, k, v, do):
     return (out, *torch.autograd.grad(out, (q, k, v), do))
 
 
-def assert_matches_fp64(q, k, v, causal=True, scale=None):
+def assert_matches_fp64(q, k, v, causal=True, scale=None, **sparse):
     """Forward and dq, dk, dv of the kernel against float64, judged by PyTorch's math attention (the
     naive backend) in the same dtype: err(ours) <= 2 * err(math) + 1e-5 for each of the four.
+    sparse: window / document_ids / block_mask, passed to attention() for both.
 
     err is the max absolute error vs float64: a bug confined to one tile (a wrong mask on the
     diagonal, a ragged edge) shows up in a few elements, which a norm over the tensor dilutes."""
     do = torch.randn(q.shape, dtype=q.dtype, device=q.device)
-    exact = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive"),
+    exact = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive", **sparse),
                           q.double(), k.double(), v.double(), do.double())
-    math = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive"), q, k, v, do)
-    ours = out_and_grads(lambda *t: flash_attention(*t, causal, scale), q, k, v, do)
+    math = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive", **sparse), q, k, v, do)
+    if sparse:
+        ours = out_and_grads(lambda *t: attention(*t, causal, scale, backend="triton", **sparse), q, k, v, do)
+    else:
+        ours = out_and_grads(lambda *t: flash_attention(*t, causal, scale), q, k, v, do)
     for name, ref, theirs, mine in zip(("out", "dq", "dk", "dv"), exact, math, ours):
         assert mine.shape == ref.shape and mine.dtype == q.dtype, name
         err_math = (theirs.double() - ref).abs().max().item()

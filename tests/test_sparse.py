@@ -1,0 +1,124 @@
+"""Block-sparse attention (§10 of docs/flash_attention.md): sliding windows, documents and block masks
+in the Triton kernel, forward and backward against float64, through the CPU interpreter. The
+interpreter's mask blocks are 32 wide (tiles 16/32), so T of 70-130 has skipped, full and partial
+blocks and a ragged last one."""
+import pytest
+import torch
+from test_triton import assert_matches_fp64, qkv
+
+from attention import BlockMask, attention
+from attention.block_mask import FULL, PARTIAL, SKIP
+from attention.masks import dense_mask
+
+
+def packed_document_ids(B, T, lengths_per_row):
+    """(B, T) ids of packed documents: row b holds documents of the given lengths, the last one cut at T."""
+    rows = []
+    for lengths in lengths_per_row:
+        ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        rows.append(ids[:T])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "causal, window, Tq, Tk, dtype",
+    [
+        (True, (20, 0), 100, 100, torch.float16),  # a language model's sliding window
+        (True, (45, -1), 130, 130, torch.float32),
+        (False, (10, 30), 96, 96, torch.float16),  # both sides, whole blocks
+        (False, (0, 0), 70, 70, torch.float32),  # each query sees only itself
+        (True, (33, 0), 40, 110, torch.float16),  # Tq < Tk: new queries against a cache
+        (False, (-1, 5), 77, 77, torch.float32),  # unbounded on the left
+    ],
+)
+def test_sliding_window_matches_fp64(causal, window, Tq, Tk, dtype):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(B=2, Hq=4, Hkv=2, Tq=Tq, Tk=Tk, D=32, dtype=dtype), causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_documents_match_fp64(dtype):
+    torch.manual_seed(0)
+    ids = packed_document_ids(2, 110, [[30, 50, 40], [7, 64, 1, 50]])  # odd lengths, a 1-token document
+    assert_matches_fp64(*qkv(B=2, Hq=2, Hkv=1, Tq=110, Tk=110, D=16, dtype=dtype), causal=True, document_ids=ids)
+
+
+def test_documents_with_window_and_fewer_queries():
+    torch.manual_seed(0)
+    ids = packed_document_ids(2, 100, [[60, 40], [10, 90]])
+    assert_matches_fp64(*qkv(B=2, Hq=2, Hkv=2, Tq=45, Tk=100, D=16), causal=True, window=(25, 0), document_ids=ids)
+
+
+def every_third_row_blind(b, h, q_idx, kv_idx):
+    # rows q % 3 == 0 see no key at all; the others a per-head striped pattern
+    return (q_idx % 3 != 0) & ((q_idx // 7 + kv_idx // 5 + h) % 3 == 0)
+
+
+def test_mask_fn_matches_fp64_including_rows_that_see_nothing():
+    torch.manual_seed(0)
+    block_mask = BlockMask.from_mask_fn(every_third_row_blind, 1, 2, 90, 90)
+    assert block_mask.state.shape == (1, 2, 3, 3) and block_mask.tile_bits is not None
+    q, k, v = qkv(B=2, Hq=2, Hkv=1, Tq=90, Tk=90, D=16)
+    assert_matches_fp64(q, k, v, causal=False, block_mask=block_mask)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, causal=False, backend="triton", block_mask=block_mask)
+    assert out[:, :, ::3].abs().max() == 0  # rows that see nothing: output 0
+    out.sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    assert q.grad[:, :, ::3].abs().max() == 0  # and no gradient
+
+
+def test_mask_fn_with_causal_combines_both():
+    torch.manual_seed(0)
+    block_mask = BlockMask.from_mask_fn(lambda b, h, q_idx, kv_idx: (kv_idx // 16) % 2 == 0, 1, 1, 75, 75)
+    assert_matches_fp64(*qkv(B=1, Hq=2, Hkv=2, Tq=75, Tk=75, D=32, dtype=torch.float16),
+                        causal=True, block_mask=block_mask)
+
+
+def test_block_layout_matches_fp64_with_ragged_blocks():
+    torch.manual_seed(0)
+    layout = torch.tensor([[True, False, True], [False, True, False], [True, True, False]])  # 3 x 3 blocks of 32
+    block_mask = BlockMask.from_layout(layout, 90, 70)  # T not a multiple of the block
+    assert_matches_fp64(*qkv(B=2, Hq=2, Hkv=2, Tq=90, Tk=70, D=16), causal=False, block_mask=block_mask)
+
+
+def test_block_mask_is_reused_across_calls():
+    block_mask = BlockMask.from_mask_fn(lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0, 1, 1, 64, 64)
+    q, k, v = qkv(Tq=64, Tk=64, D=16)
+    first = attention(q, k, v, backend="triton", block_mask=block_mask)
+    lists = block_mask.restrict(causal=True).kv_blocks()
+    second = attention(q, k, v, backend="triton", block_mask=block_mask)
+    assert block_mask.restrict(causal=True).kv_blocks() is lists  # built once, then cached
+    assert torch.equal(first, second)
+
+
+def test_block_states_are_exact_for_the_built_in_rules():
+    # FULL <=> every element of the block visible, SKIP <=> none (PARTIAL otherwise), per rule
+    ids = packed_document_ids(2, 150, [[40, 33, 77], [100, 50]])
+    for kwargs in [dict(causal=True), dict(causal=True, window=(50, 0)), dict(window=(20, 40)),
+                   dict(causal=True, document_ids=ids), dict(window=(64, 0), document_ids=ids)]:
+        for Tq in (150, 61):
+            mask = BlockMask.from_rules(Tq, 150, **kwargs)
+            dense = dense_mask(Tq, 150, batch=2, **{"causal": False, **kwargs})
+            bs = mask.block_size
+            padded = torch.zeros(dense.shape[0], 1, mask.state.shape[2] * bs, mask.state.shape[3] * bs, dtype=torch.bool)
+            padded[..., :Tq, :150] = dense
+            per_block = padded.unflatten(2, (-1, bs)).unflatten(4, (-1, bs)).sum((3, 5))
+            expected = torch.where(per_block == bs * bs, FULL, torch.where(per_block == 0, SKIP, PARTIAL))
+            assert torch.equal(mask.state.expand_as(expected), expected.to(torch.int8)), kwargs
+
+
+def test_sparse_call_errors_name_the_fix():
+    q, k, v = qkv(Tq=64, Tk=64, D=16)
+    with pytest.raises(ValueError, match="window must be two ints"):
+        attention(q, k, v, backend="triton", window=(10,))
+    with pytest.raises(ValueError, match="built for Tq=32"):
+        attention(q, k, v, backend="triton", block_mask=BlockMask.from_layout(torch.ones(1, 1, dtype=torch.bool), 32, 32))
+    with pytest.raises(TypeError, match="attention.BlockMask"):
+        attention(q, k, v, backend="triton", block_mask=torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="layout must be a bool tensor"):
+        BlockMask.from_layout(torch.ones(3, 3, dtype=torch.bool), 64, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        BlockMask.from_rules(64, 64, causal=True, block_size=48)
+    with pytest.raises(ValueError, match="document_ids"):
+        attention(q, k, v, backend="triton", document_ids=torch.zeros(1, 10, dtype=torch.long))
