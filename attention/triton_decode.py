@@ -39,7 +39,7 @@ from .triton_flash import INTERPRET, LOG2E, _head_base, _load_rows
 # program short on math: 4 warps are plenty, and 2 stages keep the next K/V tile's load in flight.
 BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
 INTERPRETER_BLOCK_N = 16  # small tiles so the CPU tests cover several tiles and splits cheaply
-MIN_ROWS = 16  # tl.dot's least M: the group's query rows are padded up to it
+MIN_ROWS = 16  # tl.dot's least M: the group's query rows (and the merge's splits) are padded up to it
 PROGRAMS_PER_SM = 2  # two resident programs per SM: one's loads overlap the other's math
 MIN_TILES_PER_SPLIT = 2  # below this, writing and merging a partial costs about what the split saves
 # Under the interpreter there are no SMs; a small stand-in makes the CPU tests split their caches.
@@ -145,7 +145,8 @@ def _decode_merge(O_PART, LSE_PART, O, stride_ob, stride_oh, stride_od, Hq, num_
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: torch.Tensor,
            scale: float) -> torch.Tensor:
     """q (B, Hq, 1, D), k_cache/v_cache (B, Hkv, max_len, D), any strides; cache_len int (B,), or
-    () or (1,) for all rows, on q's device. -> (B, Hq, 1, D) in q's dtype. Inputs are checked by attention.decode."""
+    () or (1,) for all rows, on q's device. -> (B, Hq, 1, D) in q's dtype.
+    Inputs are checked by attention.decode.decode_attention, the public entry point."""
     B, Hq, _, D = q.shape
     Hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
@@ -165,5 +166,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge[(B * Hq,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(3), Hq, num_splits,
-                             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
+                             # padded like the query rows: no 1-element tensors when there is one split
+                             HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=max(MIN_ROWS, triton.next_power_of_2(num_splits)))
     return out
