@@ -33,17 +33,35 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_flash import INTERPRET, LOG2E, _head_base, _load_rows
+from .triton_flash import (
+    INTERPRET,
+    LOG2E,
+    SMEM_BUDGET,
+    _head_base,
+    _load_rows,
+    smem_bytes,
+)
 
-# Key tile and launch shape on the GPU. One query row per head makes the tiles small and the
-# program short on math: 4 warps are plenty, and 2 stages keep the next K/V tile's load in flight.
-BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 2
+# Launch shape on the GPU. One query row per head makes the program short on math: 4 warps are
+# plenty, and 2 stages keep the next K/V tile's load in flight. Key tiles: the largest of these
+# whose buffers leave room for PROGRAMS_PER_SM programs in shared memory (see _block_n).
+BLOCK_N_CHOICES, NUM_WARPS, NUM_STAGES = (64, 32, 16), 4, 2
 INTERPRETER_BLOCK_N = 16  # small tiles so the CPU tests cover several tiles and splits cheaply
 MIN_ROWS = 16  # tl.dot's least M: the group's query rows (and the merge's splits) are padded up to it
 PROGRAMS_PER_SM = 2  # two resident programs per SM: one's loads overlap the other's math
 MIN_TILES_PER_SPLIT = 2  # below this, writing and merging a partial costs about what the split saves
 # Under the interpreter there are no SMs; a small stand-in makes the CPU tests split their caches.
 INTERPRETER_SMS = 4
+
+
+def _block_n(block_g: int, block_d: int, elem_bytes: int) -> int:
+    if INTERPRET:
+        return INTERPRETER_BLOCK_N
+    # the program holds the query rows and streams K and V tiles, as the forward kernel does
+    fits = [n for n in BLOCK_N_CHOICES
+            if smem_bytes("fwd", (block_g, n, NUM_WARPS, NUM_STAGES), block_d, elem_bytes) * PROGRAMS_PER_SM
+            <= SMEM_BUDGET]
+    return fits[0] if fits else BLOCK_N_CHOICES[-1]
 
 
 @functools.lru_cache
@@ -150,9 +168,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
     B, Hq, _, D = q.shape
     Hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
-    block_n = INTERPRETER_BLOCK_N if INTERPRET else BLOCK_N
+    block_g, block_d = max(MIN_ROWS, triton.next_power_of_2(group)), triton.next_power_of_2(D)
+    block_n = _block_n(block_g, block_d, q.element_size())
     num_splits, keys_per_split = split_plan(max_len, B * Hkv, _num_sms(q.device), block_n)
-    block_d = triton.next_power_of_2(D)
     o_part = torch.empty(B * Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B * Hq, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, Hq, 1, D, dtype=q.dtype, device=q.device)
@@ -161,7 +179,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
         q.stride(0), q.stride(1), q.stride(3), *k_cache.stride(), *v_cache.stride(),
         0 if cache_len.numel() == 1 else cache_len.stride(0),  # one length shared by every row
         Hkv, group, max_len, keys_per_split, num_splits, scale,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
         # as in triton_flash: exact fp32 products for fp32 inputs, TF32 would cost ~1e-3
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from attention import triton_decode, triton_flash
 from attention.decode import decode_attention
 from attention.triton_decode import split_plan
 
@@ -85,6 +86,15 @@ def test_split_plan_fills_the_gpu_without_empty_or_tiny_splits():
     # GPT-2 at B=1 (12 kv heads) on a 1024-key buffer: 8 splits of 128 keys, 96 programs
     assert split_plan(1024, 12, sms, block_n) == (8, 128)
     assert split_plan(1024, 96, sms, block_n) == (3, 384)
+
+
+def test_gpu_key_tiles_shrink_with_the_head_dim_to_fit_two_programs_per_sm(monkeypatch):
+    monkeypatch.setattr(triton_decode, "INTERPRET", False)  # the GPU choice, computed on the host
+    chosen = {(d, size): triton_decode._block_n(16, d, size) for d in (64, 128, 256) for size in (2, 4)}
+    assert chosen[64, 2] == 64 and chosen[256, 4] < chosen[128, 4] < chosen[128, 2] == 64  # GPT-2's: 64 keys
+    for (d, size), block_n in chosen.items():
+        tile = (16, block_n, triton_decode.NUM_WARPS, triton_decode.NUM_STAGES)
+        assert 2 * triton_flash.smem_bytes("fwd", tile, d, size) <= triton_flash.SMEM_BUDGET
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -199,10 +199,14 @@ def test_gpu_greedy_tokens_same_with_and_without_cache_and_graph(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_captures_the_decode_step_once(monkeypatch):
-    captures = []
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda real=torch.cuda.CUDAGraph: captures.append(1) or real())
+def test_gpu_cuda_graph_captures_the_decode_step_once_and_replays_it_per_token(monkeypatch):
+    calls = []
+    graph_class = torch.cuda.CUDAGraph
+    capture_begin, replay = graph_class.capture_begin, graph_class.replay
+    monkeypatch.setattr(graph_class, "capture_begin",
+                        lambda graph, *args, **kwargs: calls.append("capture") or capture_begin(graph, *args, **kwargs))
+    monkeypatch.setattr(graph_class, "replay", lambda graph: calls.append("replay") or replay(graph))
     model = tiny_model("triton").cuda()
-    out = model.generate(prompt().cuda(), 12, temperature=0)  # block_size 16: 12 decode steps, no slide
-    assert len(captures) == 1
+    out = model.generate(prompt().cuda(), 12, temperature=0)  # block_size 16: a prefill, then 11 decode steps
+    assert calls == ["capture"] + ["replay"] * 11
     assert torch.equal(out, model.generate(prompt().cuda(), 12, temperature=0, use_cache=False))
