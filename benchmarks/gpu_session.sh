@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands we run on the lent GPU machine (H200), one stage per call:
-#   bash benchmarks/gpu_session.sh env|tests|bench|train|reuse [extra args for that stage]
+#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|train|reuse [extra args for that stage]
 # Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
 # Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: env|tests|bench|train|reuse}; shift
+stage=${1:?stage: env|tests|bench|sparse|train|reuse}; shift
 
 log() { tee -a "$OUT/$stage.log"; }
 
@@ -33,6 +33,14 @@ bench)  # the kernel benchmark into out/$BENCH_DIR; args go to benchmarks.attent
   python3 -m benchmarks.attention_report "out/$dir" | log  # a run cut off by the timeout still gets its report
   tar czf "$OUT/$dir.tgz" -C out "$dir"
   tail -40 "out/$dir/results.md" ;;
+sparse)  # the sparse-attention benchmark (window, documents, MoBA vs dense and Flex) into out/$BENCH_DIR
+  dir=${BENCH_DIR:-sparse}
+  mkdir -p "out/$dir" && cp -n ".gpu_carry/$dir/results.json" "out/$dir/" 2>/dev/null
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m benchmarks.sparse --resume --out_dir "out/$dir" "$@" 2>&1 \
+    | grep -v "it/s]" | log
+  python3 -m benchmarks.sparse_report "out/$dir" | log
+  tar czf "$OUT/$dir.tgz" -C out "$dir"
+  tail -30 "out/$dir/results.md" ;;
 train)  # tiny shakespeare prep, then the training comparison; args go to benchmarks.compare
   export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
   python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
