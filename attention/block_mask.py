@@ -169,18 +169,20 @@ class BlockMask:
                  document_ids: torch.Tensor | None = None) -> BlockMask:
         """self AND the built-in rules. Cached per (causal, window) when there are no document ids, so
         passing the same BlockMask to every layer builds the combination once."""
-        if not causal and window in (None, (-1, -1)) and document_ids is None:
-            return self
+        window = None if window in (None, (-1, -1)) else tuple(window)
+        if ((not causal or self.causal) and window in (None, self.window)
+                and (document_ids is None or document_ids is self.document_ids)):
+            return self  # nothing new: e.g. a mask built by from_rules(causal=True) passed with causal=True
         key = (causal, window)
         if document_ids is None and key in self._restricted:
             return self._restricted[key]
-        if self.causal or self.window is not None or self.document_ids is not None:
-            raise ValueError("this BlockMask already holds causal/window/document rules; build it with all of them "
-                             "at once (BlockMask.from_rules) instead of combining rules twice")
+        if self.window is not None or self.document_ids is not None:
+            raise ValueError("this BlockMask already holds window/document rules; build it with all of them at once "
+                             "(BlockMask.from_rules) instead of adding more to it per call")
         rules = BlockMask.from_rules(self.Tq, self.Tk, causal=causal, window=window, document_ids=document_ids,
                                      block_size=self.block_size, device=self.state.device)
         combined = BlockMask(torch.minimum(self.state, rules.state), self.Tq, self.Tk, self.block_size,
-                             causal=rules.causal, window=rules.window, document_ids=rules.document_ids,
+                             causal=rules.causal or self.causal, window=rules.window, document_ids=rules.document_ids,
                              mask_fn=self.mask_fn, tile_ids=self.tile_ids, tile_bits=self.tile_bits)
         if document_ids is None:
             self._restricted[key] = combined

@@ -46,21 +46,32 @@ def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) ->
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     n_blocks = -(-T // block_size)
-    dtype = torch.promote_types(q.dtype, torch.float32)  # scores in fp32 at least: near ties decide blocks
-    padded = F.pad(k.to(dtype), (0, 0, 0, n_blocks * block_size - T))  # zero keys add nothing to the sums
+    # block means, summed in fp32 (at least) without an fp32 copy of k; the last block may be short
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    whole = T // block_size * block_size
+    sums = [k[:, :, :whole].unflatten(2, (-1, block_size)).sum(3, dtype=dtype)]  # (B, Hkv, T // bs, D)
+    if whole < T:
+        sums.append(k[:, :, whole:].sum(2, keepdim=True, dtype=dtype))
     counts = torch.full((n_blocks, 1), block_size, dtype=dtype, device=k.device)
-    counts[-1] = T - (n_blocks - 1) * block_size
-    means = padded.view(B, Hkv, n_blocks, block_size, D).sum(3) / counts  # (B, Hkv, n_blocks, D)
-    means = means.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, n_blocks, D)
-    scores = q.to(dtype) @ means.transpose(-2, -1)  # (B, Hq, T, n_blocks)
+    counts[-1] = T - whole if whole < T else block_size
+    means = torch.cat(sums, 2) / counts  # (B, Hkv, n_blocks, D)
+    # GQA without repeating: the G query heads of a kv head are one batch of rows for its means
+    G = Hq // Hkv
+    scores = q.to(dtype).reshape(B, Hkv, G * T, D) @ means.transpose(-2, -1)  # (B, Hkv, G*T, n_blocks)
+    scores = scores.view(B, Hq, T, n_blocks)
 
     own = torch.arange(T, device=q.device) // block_size  # (T,) each query's block
     past = torch.arange(n_blocks, device=q.device)[None, :] < own[:, None]  # (T, n_blocks)
     scores = scores.masked_fill(~past, float("-inf"))
-    best = scores.topk(min(topk, n_blocks - 1), dim=-1)  # sorted, best first
-    chosen = best.indices.masked_fill(best.values == float("-inf"), -1)  # early queries: too few past blocks
-    empty = torch.full((B, Hq, T, topk - chosen.shape[-1]), -1, dtype=torch.int64, device=q.device)
-    return torch.cat([own.expand(B, Hq, T)[..., None], chosen, empty], dim=-1)
+    # top-k by repeated argmax: with k of a few and n_blocks in the tens this is a few reductions,
+    # where torch.topk's sort costs more than the attention itself at T = 32k
+    chosen = []
+    for _ in range(topk):
+        best = scores.argmax(-1, keepdim=True)  # (B, Hq, T, 1)
+        found = scores.gather(-1, best) > float("-inf")  # early queries run out of past blocks
+        chosen.append(best.masked_fill(~found, -1))
+        scores.scatter_(-1, best, float("-inf"))
+    return torch.cat([own.expand(B, Hq, T)[..., None], *chosen], dim=-1)
 
 
 def moba_mask(selection: torch.Tensor, block_size: int, Tk: int) -> torch.Tensor:

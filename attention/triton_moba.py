@@ -78,9 +78,10 @@ def work_items(count: torch.Tensor, T: int, S: int, block_m: int) -> torch.Tenso
 @triton.jit
 def _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                 MOBA_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The work item of this program -> (batch*head, key block, its gathered entries (M,), their query
-    positions (M,) (T for padding rows, so row-checked loads read 0), which rows are real, and whether
-    the tile needs the causal mask: it holds queries of the block itself, which come first in a list)."""
+    """The work item of this program -> (batch*head, key block, tile of the block's list, its gathered
+    entries (M,), their query positions (M,) (T for padding rows, so row-checked loads read 0), which
+    rows are real, and whether the tile needs the causal mask: it holds queries of the block itself,
+    which come first in a list)."""
     item = tl.load(WORK + tl.program_id(0) * 2)
     tile = tl.load(WORK + tl.program_id(0) * 2 + 1)
     real = item < n_lists
@@ -92,7 +93,7 @@ def _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
     entry = tl.load(ORDER + bh.to(tl.int64) * T * S + tl.load(FIRST + item) + rows, mask=valid, other=0)  # (M,)
     q_pos = tl.where(valid, entry // S, T)
     own_queries = tl.minimum(MOBA_BLOCK, T - block * MOBA_BLOCK)
-    return bh, block, entry, q_pos, valid, tile * BLOCK_M < own_queries
+    return bh, block, tile, entry, q_pos, valid, tile * BLOCK_M < own_queries
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
               H, GROUP, T, S, n_lists, n_blocks, scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MOBA_BLOCK: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh, block, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
+    bh, block, tile, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                                                          MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
@@ -136,7 +137,8 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
 
 
 @triton.jit
-def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, WORK, ORDER, FIRST, COUNT,
+def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LISTED, DELTA_LISTED,
+                 WORK, ORDER, FIRST, COUNT,
                  stride_qb, stride_qh, stride_qt, stride_qd,
                  stride_kb, stride_kh, stride_kt, stride_kd,
                  stride_vb, stride_vh, stride_vt, stride_vd,
@@ -144,7 +146,7 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, WORK, ORDER, FIRST, COUNT,
                  H, GROUP, T, S, n_lists, n_blocks, scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MOBA_BLOCK: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh, block, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
+    bh, block, tile, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                                                          MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)
@@ -155,8 +157,18 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, WORK, ORDER, FIRST, COUNT,
                     HEAD_DIM, True)  # (M, D)
     # the merged (final) log-sum-exp and Delta of each query: P over this block is exp(s - lse) of the
     # whole row, so the partial dQ of each slot adds up to the row's dQ (§5)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * T + q_pos, mask=valid, other=float("inf")) * LOG2E  # (M,)
+    lse = tl.load(LSE + bh.to(tl.int64) * T + q_pos, mask=valid, other=float("inf"))  # (M,)
     delta = tl.load(DELTA + bh.to(tl.int64) * T + q_pos, mask=valid, other=0.0)  # (M,)
+    # The dK/dV kernel walks each block's entries in list order. Gathering rows by index inside its
+    # loop stalls it (the row index must arrive before the row can be fetched, and Triton's software
+    # pipelining does not hide that), so this kernel, which has the gathered rows in registers anyway,
+    # writes them out in list order: there they are contiguous rows, streamed like the dense kernel's.
+    listed = bh.to(tl.int64) * T * S + tl.load(FIRST + bh * n_blocks + block) + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(Q_LISTED + listed[:, None] * HEAD_DIM + cols[None, :], q, mask=valid[:, None] & (cols[None, :] < HEAD_DIM))
+    tl.store(DO_LISTED + listed[:, None] * HEAD_DIM + cols[None, :], do, mask=valid[:, None] & (cols[None, :] < HEAD_DIM))
+    tl.store(LSE_LISTED + listed, lse, mask=valid)
+    tl.store(DELTA_LISTED + listed, delta, mask=valid)
+    lse2 = lse * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
@@ -177,11 +189,9 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, WORK, ORDER, FIRST, COUNT,
 
 
 @triton.jit
-def _moba_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, ORDER, FIRST, COUNT,
-                   stride_qb, stride_qh, stride_qt, stride_qd,
+def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, ORDER, FIRST, COUNT,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
-                   stride_dob, stride_doh, stride_dot, stride_dod,
                    stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
                    H, GROUP, T, S, n_blocks, scale,
@@ -204,29 +214,26 @@ def _moba_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, ORDER, FIRST, COUNT,
 
     for g in range(GROUP):  # §7 GQA gradient sum, as in the dense dK/dV kernel
         bh = b * H + h_kv * GROUP + g
-        Qh = _head_base(Q, b, h_kv * GROUP + g, stride_qb, stride_qh)
-        DOh = _head_base(DO, b, h_kv * GROUP + g, stride_dob, stride_doh)
-        LSEh = LSE + bh.to(tl.int64) * T
-        DELTAh = DELTA + bh.to(tl.int64) * T
         item = bh * n_blocks + block
-        entries = ORDER + bh.to(tl.int64) * T * S + tl.load(FIRST + item)
+        listed = bh.to(tl.int64) * T * S + tl.load(FIRST + item)  # this block's list in the listed copies
         count = tl.load(COUNT + item)
-        # tiles of this block's entries: [0, causal_end) hold its own queries (causal mask),
-        # [causal_end, full_end) see the whole key tile, [full_end, end) is the ragged last tile
+        Q = Q_LISTED + listed * HEAD_DIM  # (count, HEAD_DIM) rows, written by _moba_bwd_dq
+        DO = DO_LISTED + listed * HEAD_DIM
+        LSE = LSE_LISTED + listed
+        DELTA = DELTA_LISTED + listed
+        # tiles of the list: [0, causal_end) hold the block's own queries (causal mask),
+        # [causal_end, full_end) see the whole key tile, [full_end, count) is the ragged last tile
         causal_end = tl.minimum(tl.cdiv(own_queries, BLOCK_M) * BLOCK_M, count)
         full_end = tl.maximum(count // BLOCK_M * BLOCK_M, causal_end)
         for rows in range(0, causal_end, BLOCK_M):
-            dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, entries, rows, count, T, S,
-                                       stride_qt, stride_qd, stride_dot, stride_dod, cols, qk_scale,
-                                       HEAD_DIM, DOT_PRECISION, BLOCK_M)
+            dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
+                                       cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
         for rows in range(causal_end, full_end, BLOCK_M):
-            q_pos = tl.load(entries + rows + tl.arange(0, BLOCK_M)) // S  # (M,) all real
-            dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                stride_dod, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1, HEAD_DIM, 1,
+                                cols, count, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for rows in range(full_end, count, BLOCK_M):
-            dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Qh, DOh, LSEh, DELTAh, entries, rows, count, T, S,
-                                       stride_qt, stride_qd, stride_dot, stride_dod, cols, qk_scale,
-                                       HEAD_DIM, DOT_PRECISION, BLOCK_M)
+            dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
+                                       cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
 
     DK = _head_base(DK, b, h_kv, stride_dkb, stride_dkh)
     DV = _head_base(DV, b, h_kv, stride_dvb, stride_dvh)
@@ -235,15 +242,52 @@ def _moba_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, ORDER, FIRST, COUNT,
 
 
 @triton.jit
-def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, entries, rows, count, T, S,
-                      stride_qt, stride_qd, stride_dot, stride_dod, cols, qk_scale,
+def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ENTRIES, rows, count, T, S, cols, qk_scale,
                       HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One tile of gathered entries that needs the mask: causal, and padding rows past the list."""
-    valid = rows + tl.arange(0, BLOCK_M) < count  # (M,)
-    q_pos = tl.where(valid, tl.load(entries + rows + tl.arange(0, BLOCK_M), mask=valid, other=0) // S, T)
+    """One tile of a block's listed entries that needs the mask: causal (by the entries' query
+    positions), and padding rows past the end of the list."""
+    listed = rows + tl.arange(0, BLOCK_M)  # (M,) rows of the listed copies
+    valid = listed < count
+    q_pos = tl.load(ENTRIES + listed, mask=valid, other=0) // S  # (M,) the entries' queries
     visibleT = (k_pos[:, None] <= q_pos[None, :]) & (k_pos[:, None] < T) & valid[None, :]  # (N, M)
-    return _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stride_dot, stride_dod, cols,
-                      T, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+    return _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, listed, HEAD_DIM, 1, HEAD_DIM, 1, cols, count, qk_scale,
+                      visibleT, HEAD_DIM, DOT_PRECISION)
+
+
+@triton.jit
+def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, stride_ot, stride_od, H, T,
+                S: tl.constexpr, WEIGHTED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """§11 merge of each query's slots into OUT (B, H, T, D), skipping empty slots (selection -1),
+    whose partials were never written. WEIGHTED (forward): the log-sum-exp merge of partial outputs,
+    also storing the row's lse; otherwise (dQ) a plain sum."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (T_tile,)
+    cols = tl.arange(0, BLOCK_D)
+    slots = bh.to(tl.int64) * T * S + t * S  # (T_tile,) each query's first slot
+    lse = tl.zeros([BLOCK_T], tl.float32)
+    if WEIGHTED:  # lse = log sum_s exp(lse_s), computed stably around the largest
+        m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        for s in tl.static_range(S):
+            used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
+            m = tl.maximum(m, tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")))
+        total = tl.zeros([BLOCK_T], tl.float32)
+        for s in tl.static_range(S):
+            used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
+            total += tl.exp(tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")) - m)
+        lse = m + tl.log(total)
+        tl.store(LSE + bh.to(tl.int64) * T + t, lse, mask=t < T)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for s in tl.static_range(S):
+        used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
+        weight = tl.where(used, 1.0, 0.0)
+        if WEIGHTED:
+            weight = tl.exp(tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")) - lse)
+        part = tl.load(PART + (slots + s)[:, None] * BLOCK_D + cols[None, :], mask=used[:, None], other=0.0)
+        acc += weight[:, None] * part
+    triton_flash._store_rows(_head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
+                             HEAD_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,56 +304,65 @@ def _constants(q: torch.Tensor, block_size: int) -> dict:
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
 
 
-def forward(q, k, v, selection, block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> out (B, H, T, D), lse (B, H, T) float32 of the merged selection."""
+MERGE_ROWS = 32  # queries per merge program (_moba_merge): S partial rows of D floats each
+
+
+def _merge(part, lse_part, selection, out, lse) -> None:
+    B, H, T, _ = out.shape
+    _moba_merge[(triton.cdiv(T, MERGE_ROWS), B * H)](
+        part, lse_part, selection, out, lse, *out.stride(), H, T, S=selection.shape[-1], WEIGHTED=lse is not None,
+        HEAD_DIM=out.shape[-1], BLOCK_D=part.shape[-1], BLOCK_T=MERGE_ROWS)
+
+
+def forward(q, k, v, selection, block_size: int, scale: float):
+    """-> out (B, H, T, D), lse (B, H, T) float32 of the merged slots, and the entry lists
+    (order, first, count) for the backward pass."""
     B, H, T, D = q.shape
     S = selection.shape[-1]
-    block_d = triton.next_power_of_2(D)
     order, first, count = entry_lists(selection, block_size)
     block_m, block_n, warps, stages = _tile("fwd", q)
     work = work_items(count, T, S, block_m)
-    # one partial result per (query, slot); slots no block filled keep lse = -inf and weigh 0 below
-    o_part = torch.zeros(B, H, T, S, block_d, dtype=torch.float32, device=q.device)
-    lse_part = torch.full((B, H, T, S), float("-inf"), dtype=torch.float32, device=q.device)
+    # one partial result per (query, slot); the merge skips the empty slots, so nothing is zero-filled
+    o_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
+    lse_part = q.new_empty(B, H, T, S, dtype=torch.float32)
     _moba_fwd[(work.shape[0],)](q, k, v, o_part, lse_part, work, order, first, count,
                                 *q.stride(), *k.stride(), *v.stride(),
                                 H, H // k.shape[1], T, S, count.numel(), count.shape[1], scale,
                                 **_constants(q, block_size), BLOCK_M=block_m, BLOCK_N=block_n,
                                 num_warps=warps, num_stages=stages)
-    # §11 merge the slots: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s
-    lse = torch.logsumexp(lse_part, dim=-1)  # (B, H, T)
-    weight = torch.exp(lse_part - lse[..., None])  # (B, H, T, S)
-    out = torch.einsum("bhts,bhtsd->bhtd", weight, o_part[..., :D])
     o = triton_flash.empty_bthd(B, H, T, D, q)
-    o.copy_(out)
-    return o, lse
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    _merge(o_part, lse_part, selection, o, lse)
+    return o, lse, order, first, count
 
 
-def backward(do, q, k, v, o, lse, selection, block_size: int, scale: float):
+def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: int, scale: float):
     """-> dq, dk, dv."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], selection.shape[-1]
-    block_d = triton.next_power_of_2(D)
-    order, first, count = entry_lists(selection, block_size)
     delta = (do.float() * o.float()).sum(-1)  # §5 Delta = rowsum(dO * O), (B, H, T)
     constants = _constants(q, block_size)
 
     block_m, block_n, warps, stages = _tile("dq", q)
     work = work_items(count, T, S, block_m)
-    dq_part = torch.zeros(B, H, T, S, block_d, dtype=torch.float32, device=q.device)
-    _moba_bwd_dq[(work.shape[0],)](q, k, v, do, lse, delta, dq_part, work, order, first, count,
+    dq_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
+    # the entries' rows in list order, for the dK/dV kernel (see _moba_bwd_dq)
+    q_listed, do_listed = (t.new_empty(B * H, T * S, D) for t in (q, do))
+    lse_listed, delta_listed = (torch.empty(B * H, T * S, dtype=torch.float32, device=q.device) for _ in range(2))
+    _moba_bwd_dq[(work.shape[0],)](q, k, v, do, lse, delta, dq_part, q_listed, do_listed, lse_listed, delta_listed,
+                                   work, order, first, count,
                                    *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                                    H, H // Hkv, T, S, count.numel(), count.shape[1], scale,
                                    **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     dq = triton_flash.empty_bthd(B, H, T, D, q)
-    dq.copy_(dq_part[..., :D].sum(-2))
+    _merge(dq_part, None, selection, dq, None)
 
     dk = triton_flash.empty_bthd(B, Hkv, T, D, k)
     dv = triton_flash.empty_bthd(B, Hkv, T, D, v)
     block_m, block_n, warps, stages = _tile("dkdv", q)
     _moba_bwd_dkdv[(triton.cdiv(T, block_n), B * Hkv)](
-        q, k, v, do, dk, dv, lse, delta, order, first, count,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        q_listed, k, v, do_listed, dk, dv, lse_listed, delta_listed, order, first, count,
+        *k.stride(), *v.stride(), *dk.stride(), *dv.stride(),
         H, H // Hkv, T, S, count.shape[1], scale,
         **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dq, dk, dv
@@ -317,25 +370,27 @@ def backward(do, q, k, v, o, lse, selection, block_size: int, scale: float):
 
 @torch.library.custom_op("nanoflash::moba_fwd", mutates_args=())
 def moba_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor, block_size: int,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return forward(q, k, v, selection, block_size, scale)
 
 
 @moba_fwd.register_fake
 def _moba_fwd_fake(q, k, v, selection, block_size, scale):
     B, H, T, D = q.shape
-    return triton_flash.empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32)
+    lists = [q.new_empty(B * H, n, dtype=torch.int32) for n in (T * selection.shape[-1], -(-T // block_size),
+                                                                 -(-T // block_size))]
+    return triton_flash.empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32), *lists
 
 
 @torch.library.custom_op("nanoflash::moba_bwd", mutates_args=())
 def moba_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             lse: torch.Tensor, selection: torch.Tensor, block_size: int,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(do, q, k, v, o, lse, selection, block_size, scale)
+             lse: torch.Tensor, selection: torch.Tensor, order: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
+             block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(do, q, k, v, o, lse, selection, order, first, count, block_size, scale)
 
 
 @moba_bwd.register_fake
-def _moba_bwd_fake(do, q, k, v, o, lse, selection, block_size, scale):
+def _moba_bwd_fake(do, q, k, v, o, lse, selection, order, first, count, block_size, scale):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
@@ -346,8 +401,8 @@ class MobaFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, selection, block_size: int, scale: float):
         fwd = moba_fwd if torch.compiler.is_compiling() else forward
-        o, lse = fwd(q, k, v, selection, block_size, scale)
-        ctx.save_for_backward(q, k, v, o, lse, selection)
+        o, lse, order, first, count = fwd(q, k, v, selection, block_size, scale)
+        ctx.save_for_backward(q, k, v, o, lse, selection, order, first, count)
         ctx.block_size, ctx.scale = block_size, scale
         return o
 
@@ -360,11 +415,12 @@ class MobaFunction(torch.autograd.Function):
 
 def moba_triton(q, k, v, selection: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """MoBA attention of q (B, Hq, T, D), k, v (B, Hkv, T, D) over selection (B, Hq, T, topk + 1)
-    (attention/moba.py:moba_select). block_size must be a multiple of the kernel's tiles (128)."""
+    (attention/moba.py:moba_select). block_size must be a multiple of the kernels' tiles (128 on a GPU)."""
     from .triton_op import _check_kernel_support
 
     _check_kernel_support(q)
-    if block_size % 128 and not triton_flash.INTERPRET:
-        raise ValueError(f"the triton MoBA kernel needs block_size a multiple of 128 (its tiles), got {block_size}; "
-                         "the MoBA paper uses 512")
-    return MobaFunction.apply(q, k, v, selection, block_size, scale)
+    largest_tile = max(max(_tile(kernel, q)[:2]) for kernel in ("fwd", "dq", "dkdv"))
+    if block_size % largest_tile:
+        raise ValueError(f"the triton MoBA kernels walk a block in tiles of up to {largest_tile} rows, so block_size "
+                         f"must be a multiple of {largest_tile}, got {block_size}; the MoBA paper uses 512")
+    return MobaFunction.apply(q, k, v, selection.contiguous(), block_size, scale)

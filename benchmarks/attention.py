@@ -195,10 +195,13 @@ def pass_step(fn, pass_: str, q, k, v, dout, causal: bool):
     """The callable to time for one pass. The forward runs with autograd on, as in training."""
     if pass_ == "fwd":
         return lambda: fn(q, k, v, causal)
+    # torch.autograd.grad, not .backward(): accumulating into .grad would add an elementwise kernel whose
+    # cost depends on the backend's gradient layout (ours are (B, T, H, D) strided), not on attention;
+    # training zeroes grads to None, so the first write is an assignment there too
     if pass_ == "bwd":
         out = fn(q, k, v, causal)
-        return lambda: out.backward(dout, retain_graph=True)
-    return lambda: fn(q, k, v, causal).backward(dout)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), dout)
 
 
 def peak_memory_gib(fn, q, k, v, dout, causal: bool) -> float:

@@ -1,0 +1,58 @@
+"""Where the time of one sparse-attention call goes: the GPU kernels of a forward+backward under
+torch.profiler, summed per kernel, for our backend and FlexAttention side by side.
+
+    python -m benchmarks.profile_kernels --family moba --T 32768 --hs 128
+    python -m benchmarks.profile_kernels --family window --T 16384 --flex
+
+The shapes, masks and call paths are benchmarks/sparse.py's (B*T = 16384 tokens, nh*hs = 2048), so
+a cell of that benchmark can be taken apart here. For finding what to optimise; not a benchmark.
+"""
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.attention import Shape, pass_step
+from benchmarks.sparse import FAMILIES, GRIDS, MASKS, flex, ours, packed_document_ids
+
+
+def kernel_table(fn, shape: Shape, steps: int = 5) -> str:
+    q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    step = pass_step(fn, "fwd+bwd", q, k, v, dout, True)
+    for _ in range(3):  # compile, tune, warm the allocator
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events) / steps
+    lines = [f"{'us/call':>9} {'calls':>5}  kernel   (GPU total {total:.0f} us per fwd+bwd)"]
+    for e in events[:14]:
+        lines.append(f"{e.self_device_time_total / steps:9.0f} {e.count // steps:5d}  {e.key[:100]}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=FAMILIES, default="moba")
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--hs", type=int, default=128)
+    p.add_argument("--flex", action="store_true", help="profile FlexAttention with the same mask too")
+    args = p.parse_args(argv)
+    for key, value in (GRIDS["full"] | MASKS["gpu"]).items():
+        setattr(args, key, value)
+    args.backend = "triton"
+    shape = Shape(max(1, args.tokens // args.T), args.width // args.hs, args.T, args.hs, causal=True, group="grid")
+    ids = packed_document_ids(shape.B, shape.T, args.doc_lengths, 0, "cuda") if args.family == "documents" else None
+    print(f"{args.family} {shape}\n-- ours (triton)\n{kernel_table(ours(args.family, args, ids), shape)}")
+    if args.flex:
+        print(f"-- flex\n{kernel_table(flex(args.family, args, ids, shape, torch.device('cuda')), shape)}")
+
+
+if __name__ == "__main__":
+    main()
