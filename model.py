@@ -3,6 +3,8 @@
     model = GPT(GPTConfig.preset("gpt2", attn="triton"))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) token ids
     out = model.eval().generate(idx, 100)     # sampling with a KV cache (see KVCache)
+    GPT(GPTConfig(window=256))                # sparse: a 256-token sliding window, any backend
+    GPT(GPTConfig(attn="moba", moba_block=128, moba_topk=3))  # sparse: MoBA through its Triton kernel
 
 Module names follow Hugging Face's GPT-2 so its checkpoints load 1:1 (see load_hf_state_dict).
 """
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 from attention import attention, available_backends
 from attention.decode import decode_attention
+from attention.moba import moba_attention
 
 # every GPT-2 size uses a head size of 64; only the depth and width change
 PRESETS = {
@@ -26,6 +29,11 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 PRESET_ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
+
+
+def attention_choices() -> list[str]:
+    """What GPTConfig.attn accepts: a registered attention backend, or "moba" (MoBA's Triton kernel)."""
+    return [*available_backends(), "moba"]
 
 
 @dataclass
@@ -39,7 +47,15 @@ class GPTConfig:
     # attention probabilities is not offered: the flash backends never materialise them.
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2; False is a bit faster
-    attn: str = "sdpa"  # attention backend, one of attention.available_backends()
+    attn: str = "sdpa"  # attention backend, one of attention.available_backends(), or "moba" (below)
+    # Sliding window: each token attends to itself and the `window` tokens before it, through any
+    # backend (the triton one skips the key blocks outside it). 0 is full causal attention.
+    window: int = 0
+    # attn="moba": MoBA (attention/moba.py) through its fused Triton kernel. Each query reads its own
+    # block of moba_block keys and the moba_topk earlier blocks whose mean key scores highest against
+    # it. With block_size <= moba_block every query has only its own block: MoBA is then dense causal.
+    moba_block: int = 512
+    moba_topk: int = 3
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -51,9 +67,26 @@ class GPTConfig:
                              "n_embd // n_head channels, so pick n_head among the divisors of n_embd")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attn not in available_backends():
+        if self.attn not in attention_choices():
             raise ValueError(f"unknown attention backend attn={self.attn!r}; "
-                             f"choose one of: {', '.join(available_backends())}")
+                             f"choose one of: {', '.join(attention_choices())}")
+        for name, least, meaning in (("window", 0, "previous tokens each token sees; 0 = full causal attention"),
+                                     ("moba_block", 16, "keys per MoBA block; the GPU kernel takes multiples of 128"),
+                                     ("moba_topk", 0, "earlier MoBA blocks each query reads besides its own")):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise ValueError(f"GPTConfig.{name} must be an int >= {least} ({meaning}), got {value!r}")
+        if self.window and self.attn == "moba":
+            raise ValueError(f"window={self.window} with attn='moba' asks for two sparse attentions at once; pick one: "
+                             "window=0 for MoBA, or a backend such as attn='triton' for the sliding window")
+
+    def sparsity(self) -> dict:
+        """The sparse attention in force: {} for dense causal attention, else {"window": N} or MoBA's
+        {"moba_block": ..., "moba_topk": ...}. Configs that differ only in the dense backend (attn)
+        have the same sparsity and compute the same function, up to rounding."""
+        if self.attn == "moba":
+            return {"moba_block": self.moba_block, "moba_topk": self.moba_topk}
+        return {"window": self.window} if self.window else {}
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -186,6 +219,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.backend = config.attn
+        self.window = config.window
+        self.moba_block, self.moba_topk = config.moba_block, config.moba_topk
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # see GPT._init_weights
@@ -197,16 +232,23 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, nh, T, hs). Left as strided views on purpose: the Triton kernel reads
         # them in place, and a .contiguous() here would cost three copies per layer.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if kv_cache is not None and kv_cache.step_pos is not None:
+        if self.backend == "moba":  # never with a cache: GPT.forward refuses one
+            y = moba_attention(q, k, v, self.moba_block, self.moba_topk, backend="triton")  # (B, nh, T, hs)
+        elif kv_cache is not None and kv_cache.step_pos is not None:
             # a static decode step (see KVCache): T = 1, the whole buffer, the valid length on the device
             kv_cache.write_step(k, v)
             y = decode_attention(q, kv_cache.k, kv_cache.v, kv_cache.step_len, backend=self.backend)  # (B, nh, 1, hs)
         else:
             if kv_cache is not None:
                 k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
+                if self.window:
+                    # the first of the T queries reads back `window` keys, so older ones would all be
+                    # masked out; dropping them also keeps Tk, and so the cached BlockMask, the same each step
+                    k, v = k[:, :, -(T + self.window):], v[:, :, -(T + self.window):]
             # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
-            # position Tk - T + i and sees every cached key plus the new ones up to itself.
-            y = attention(q, k, v, causal=True, backend=self.backend)  # (B, nh, T, hs)
+            # position Tk - T + i and sees every cached key (within the window) plus the new ones up to itself.
+            window = (self.window, 0) if self.window else None
+            y = attention(q, k, v, causal=True, backend=self.backend, window=window)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -276,6 +318,9 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; "
                              "use idx[None] for a single sequence")
+        if kv_caches is not None and self.config.attn == "moba":
+            raise ValueError("a MoBA model runs without KV caches: MoBA picks key blocks for a whole sequence at "
+                             "once (as many queries as keys); run the full context, as generate() does for it")
         if kv_caches is not None and len(kv_caches) != self.config.n_layer:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.config.n_layer} layers; pass one per layer")
         B, T = idx.size()
@@ -301,10 +346,17 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token, for MFU: 6 per parameter (2 forward, 4 backward) plus the
-        attention score and value matmuls, 12 * n_layer * n_head * head_dim * block_size (the
-        causal mask's skipped half is counted, as is the convention)."""
+        attention score and value matmuls, 12 * n_layer * n_head * head_dim * keys, keys being the
+        most one query reads: block_size for causal attention (the causal mask's skipped half is
+        counted, as is the convention), window + 1 for a sliding window, (topk + 1) * moba_block for
+        MoBA. A sparse model is so credited with the work it needs, not with the dense work it skips."""
         cfg = self.config
-        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+        keys = cfg.block_size
+        if cfg.window:
+            keys = min(keys, cfg.window + 1)
+        if cfg.attn == "moba":
+            keys = min(keys, (cfg.moba_topk + 1) * cfg.moba_block)
+        return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * keys
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
         # Decay matmul weights and embeddings (every 2-D tensor). Biases and LayerNorm gains (1-D)
@@ -333,27 +385,39 @@ class GPT(nn.Module):
         All see the same context: past block_size tokens the learned positions run out, so each
         step re-runs the last block_size tokens from position 0 (the cache is cleared and
         refilled, and no decode step runs again), and from there on the cache saves nothing.
+
+        Sparse models: with a window, the cache is used but each step runs eagerly (the newest
+        token through attention() with the window, against the cache's last window keys) and
+        without a CUDA graph, since the static decode step has no window. A MoBA model always runs
+        as use_cache=False.
         """
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
+        if self.config.attn == "moba":
+            use_cache = False  # MoBA picks key blocks for a whole sequence at once: no form for one new query
+        static_step = use_cache and not self.config.window  # decode_attention has no window
         if cuda_graph is None:
-            cuda_graph = use_cache and idx.device.type == "cuda"
-        if cuda_graph and not (use_cache and idx.device.type == "cuda"):
-            raise ValueError(f"cuda_graph=True replays the cached decode step on the GPU: it needs use_cache=True "
-                             f"and idx on a CUDA device (got use_cache={use_cache}, device {idx.device}); "
+            cuda_graph = static_step and idx.device.type == "cuda"
+        if cuda_graph and not (static_step and idx.device.type == "cuda"):
+            raise ValueError(f"cuda_graph=True replays the static decode step on the GPU: it needs use_cache=True and "
+                             f"idx on a CUDA device, and a model without window or MoBA (got use_cache={use_cache}, "
+                             f"device {idx.device}, window={self.config.window}, attn={self.config.attn!r}); "
                              "leave cuda_graph=None to choose automatically")
         block_size = self.config.block_size
         max_len = min(block_size, idx.size(1) + max_new_tokens)
         caches = [KVCache(max_len) for _ in self.transformer.h] if use_cache else None
         decode_step = None  # built after the prefill, when the caches hold the prompt
         for _ in range(max_new_tokens):
-            if caches and 0 < caches[0].length < block_size:
-                if decode_step is None:  # the cache holds the tokens before the newest
+            cached = caches and 0 < caches[0].length < block_size  # the caches hold the tokens before the newest
+            if cached and static_step:
+                if decode_step is None:
                     decode_step = DecodeStep(self, caches, idx[:, -1:], cuda_graph)
                 logits = decode_step(idx[:, -1:])
-            else:  # no cache, the first step, or a full window: crop, positions past block_size have no embedding
+            elif cached:  # a window model: the newest token through attention() with the window
+                logits = self(idx[:, -1:], kv_caches=caches)[0][:, -1, :]
+            else:  # no cache, the first step, or a full context: crop, positions past block_size have no embedding
                 for cache in caches or []:
                     cache.clear()
                 logits = self(idx[:, -block_size:], kv_caches=caches)[0][:, -1, :]  # only the last position predicts
@@ -369,11 +433,12 @@ class GPT(nn.Module):
         return idx
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa") -> "GPT":
+    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa", **sparse) -> "GPT":
         """OpenAI's GPT-2 weights by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl or 124M ... 1.5B,
         through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). A local
         file's n_head, which no weight shape reveals, comes from a config.json beside it (as
-        save_pretrained writes), else from GPT-2's head size of 64."""
+        save_pretrained writes), else from GPT-2's head size of 64. sparse: GPTConfig's window,
+        moba_block, moba_topk, to run the dense weights with sparse attention (fine-tuning, say)."""
         name, path = PRESET_ALIASES.get(str(name_or_path), str(name_or_path)), Path(name_or_path)
         if name in PRESETS:
             state_dict, n_head = _download_hf_state_dict(name), PRESETS[name]["n_head"]
@@ -390,7 +455,7 @@ class GPT(nn.Module):
                              "size 64; put the checkpoint's HF config.json beside it")
         n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
         config = GPTConfig(block_size=state_dict["transformer.wpe.weight"].shape[0], vocab_size=vocab_size,
-                           n_layer=n_layer, n_head=n_head or n_embd // 64, n_embd=n_embd, attn=attn)
+                           n_layer=n_layer, n_head=n_head or n_embd // 64, n_embd=n_embd, attn=attn, **sparse)
         model = cls(config)
         load_hf_state_dict(model, state_dict)
         return model

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import attention
+import model as model_module
+from attention.moba import moba_attention
 from model import GPT, GPTConfig, load_hf_state_dict
 
 # tiny but with every feature: 2 layers, 3 heads of 16 channels (the smallest head tl.dot takes), GPT-2's vocabulary
@@ -214,3 +216,116 @@ def test_optimizer_groups():
     assert sorted(ids) == sorted(id(p) for p in model.parameters())  # each parameter once, tied weight too
     n_linear = 4 * TINY["n_layer"]
     assert len(decay["params"]) == n_linear + 2  # the Linears + wte (= lm_head) + wpe
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse attention: a sliding window (any backend) and MoBA (its Triton kernel)
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(window=-1), r"window must be an int >= 0 \(previous tokens"),
+    (dict(window=8.0), "window must be an int"),
+    (dict(attn="moba", moba_block=8), r"moba_block must be an int >= 16 \(keys per MoBA block"),
+    (dict(moba_topk=-1), "moba_topk must be an int >= 0"),
+    (dict(attn="moba", window=8), "window=8 with attn='moba' asks for two sparse attentions at once; pick one"),
+    (dict(attn="mobba"), "choose one of: .*triton, moba"),
+])
+def test_sparse_config_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**overrides)
+
+
+def test_sparsity_and_flops_count_the_keys_a_query_reads():
+    assert GPTConfig().sparsity() == {} and GPTConfig(attn="triton", window=256).sparsity() == {"window": 256}
+    moba = GPTConfig(attn="moba", moba_block=128, moba_topk=3)
+    assert moba.sparsity() == {"moba_block": 128, "moba_topk": 3}
+    with torch.device("meta"):
+        dense, window = GPT(GPTConfig.preset("124M")), GPT(GPTConfig.preset("124M", window=256))
+        moba, wide_moba = GPT(GPTConfig.preset("124M", attn="moba", moba_block=128)), GPT(GPTConfig.preset("124M", attn="moba"))
+    per_key = 12 * 12 * 768  # score and value matmuls per key, over all layers
+    assert dense.flops_per_token() - window.flops_per_token() == per_key * (1024 - 257)
+    assert dense.flops_per_token() - moba.flops_per_token() == per_key * (1024 - 4 * 128)
+    assert wide_moba.flops_per_token() == dense.flops_per_token()  # 4 blocks of 512 cover all 1024 keys
+
+
+def explicit_window_backend(window: int):
+    """An attention backend that applies the window as an explicit dense (Tq, Tk) mask."""
+    def attend(q, k, v, causal, scale):
+        Tq, Tk = q.shape[2], k.shape[2]
+        visible = attention.masks.window_mask(Tq, Tk, (window, 0)) & attention.masks.causal_mask(Tq, Tk)
+        return attention.registry.naive_attention(q, k, v, causal=False, scale=scale, visible=visible)
+    return attend
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "triton"])
+def test_window_model_matches_an_explicit_window_mask(backend, monkeypatch):
+    monkeypatch.setitem(attention.registry._BACKENDS, "window4", explicit_window_backend(4))
+    idx = tokens()  # T=12: every query past the 5th loses keys to the window
+    logits = tiny_model(attn=backend, window=4)(idx)[0]
+    torch.testing.assert_close(logits, tiny_model(attn="window4")(idx)[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits, tiny_model(attn=backend)(idx)[0], atol=1e-3)  # the window changed something
+
+
+def test_window_model_generates_the_same_with_and_without_the_cache(monkeypatch):
+    model = tiny_model(attn="naive", window=4)
+    calls = []
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.shape[2], k.shape[2], kwargs["window"]))
+        return attention.attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(model_module, "attention", recording)
+    idx = tokens(T=5)
+    cached = model.generate(idx, 14, temperature=0)  # 19 tokens: past block_size=16, the context gets cropped
+    assert torch.equal(cached, model.generate(idx, 14, temperature=0, use_cache=False))
+    # after the prompt's prefill, one query at a time against the newest window + 1 cached keys
+    layers = TINY["n_layer"]
+    assert calls[:layers] == [(5, 5, (4, 0))] * layers
+    assert calls[layers:2 * layers] == [(1, 5, (4, 0))] * layers
+    assert all(Tk <= 5 for Tq, Tk, _ in calls if Tq == 1)
+    with pytest.raises(ValueError, match="and a model without window or MoBA"):
+        model.generate(idx, 1, cuda_graph=True)
+
+
+def moba_reference_backend(block_size: int, topk: int):
+    """An attention backend running MoBA's dense reference: the same block selection as a (T, T) mask."""
+    def attend(q, k, v, causal, scale):
+        return moba_attention(q, k, v, block_size, topk, scale, backend="naive")
+    return attend
+
+
+def test_moba_model_matches_the_dense_reference_of_its_selection(monkeypatch):
+    # T=96 in blocks of 32 (the interpreter's tile; a GPU needs multiples of 128): the last block's
+    # queries pick 1 of 2 earlier blocks, so the selection is really exercised
+    monkeypatch.setitem(attention.registry._BACKENDS, "moba_naive", moba_reference_backend(32, 1))
+    shape = dict(block_size=96, n_layer=1, n_head=2, n_embd=32)  # head dim 16
+    idx, targets = tokens(T=96), tokens(T=96, seed=2)
+    results = {}
+    for attn in ("moba", "moba_naive", "naive"):
+        model = tiny_model(**shape, attn=attn, moba_block=32, moba_topk=1)
+        logits, loss = model(idx, targets)
+        loss.backward()
+        results[attn] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (logits, grads), (ref_logits, ref_grads) = results["moba"], results["moba_naive"]
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(logits, results["naive"][0], atol=1e-3)  # MoBA skipped blocks dense attention reads
+
+
+def test_moba_model_generates_without_a_cache():
+    model = tiny_model(block_size=8, n_layer=1, n_head=2, n_embd=32, attn="moba", moba_block=32)
+    idx = tokens(B=1, T=3)
+    out = model.generate(idx, 2, temperature=0)  # use_cache=True is overridden: MoBA has no one-query form
+    assert torch.equal(out, model.generate(idx, 2, temperature=0, use_cache=False))
+    with pytest.raises(ValueError, match="a MoBA model runs without KV caches"):
+        model(idx, kv_caches=[model_module.KVCache(8)])
+
+
+def test_from_pretrained_weights_with_a_window(tmp_path):
+    hf = random_hf_gpt2()
+    hf.save_pretrained(tmp_path)
+    model = GPT.from_pretrained(str(tmp_path / "model.safetensors"), attn="naive", window=4)
+    assert model.config.window == 4
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0][:, :5], hf(idx).logits[:, :5], rtol=1e-5, atol=1e-5)  # inside the window
+    assert not torch.allclose(model(idx)[0][:, 5:], hf(idx).logits[:, 5:], atol=1e-3)
