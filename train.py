@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -90,13 +90,20 @@ class StopSignal:
 
 def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
     if checkpoint:
-        # the shape comes from the checkpoint; attn and dropout may change between runs
-        config = GPTConfig(**{**checkpoint["model_config"], "attn": cfg.attn, "dropout": cfg.dropout})
+        # the shape comes from the checkpoint; the backend and dropout may change between runs, but
+        # another window or MoBA setting would be another model
+        saved = GPTConfig(**checkpoint["model_config"])
+        config = replace(saved, **cfg.attention_settings(), dropout=cfg.dropout)
+        if config.sparsity() != saved.sparsity():
+            flags = {"attn": saved.attn, "window": saved.window, **saved.sparsity()}
+            raise ConfigError(f"the checkpoint's model has sparse attention {saved.sparsity() or 'none'} but this run "
+                              f"asks for {config.sparsity() or 'none'}; resume with the settings that trained it: "
+                              + " ".join(f"--{k}={v}" for k, v in flags.items()))
         model = GPT(config)
         model.load_state_dict(checkpoint["model"])
     elif cfg.init_from != "scratch":
         try:
-            model = GPT.from_pretrained(cfg.init_from, attn=cfg.attn)
+            model = GPT.from_pretrained(cfg.init_from, **cfg.attention_settings())
         except ValueError as err:
             raise ConfigError(f"init_from: {err}") from None
     else:
@@ -220,7 +227,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     flops_per_token = raw_model.flops_per_token()
     peak = peak_flops(device) if dtype != torch.float32 else None  # the table holds bf16/fp16 peaks
     if world.is_main:
-        print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}, {device}, {dtype}, "
+        sparsity = "".join(f", {key}={value}" for key, value in raw_model.config.sparsity().items())
+        print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}{sparsity}, {device}, {dtype}, "
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
               f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else ""))
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed

@@ -142,6 +142,33 @@ def test_init_from_a_weights_file_starts_from_those_weights(tmp_path, data_dir):
     assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["model_config"]["n_layer"] == 1  # not TINY's 2
 
 
+def test_window_run_records_its_window_and_resumes_only_with_it(tmp_path, data_dir, capsys):
+    train.train(tiny_config(tmp_path / "window", data_dir, max_steps=2, window=4))
+    assert "attn=sdpa, window=4, cpu" in capsys.readouterr().out
+    checkpoint = load_checkpoint(tmp_path / "window" / "ckpt.pt")
+    assert checkpoint["model_config"]["window"] == 4 and checkpoint["train_config"]["window"] == 4
+    train.train(tiny_config(tmp_path / "dense", data_dir, max_steps=2))
+    losses = {run: [r["train_loss"] for r in read_metrics(tmp_path / run)[0]] for run in ("window", "dense")}
+    assert losses["window"] != losses["dense"]  # T=16 > 4 + 1: the window hides keys from most queries
+
+    with pytest.raises(ConfigError, match="resume with the settings that trained it: --attn=sdpa --window=4"):
+        train.train(tiny_config(tmp_path / "window", data_dir, max_steps=3, resume=True))
+    train.train(tiny_config(tmp_path / "window", data_dir, max_steps=3, resume=True, window=4, attn="naive"))
+    assert [r["step"] for r in read_metrics(tmp_path / "window")[0]] == [0, 1, 2]
+
+
+def test_moba_run_trains_through_the_triton_kernel(tmp_path, data_dir):
+    # T=64 in MoBA blocks of 32 (the interpreter's tile; a GPU needs multiples of 128); topk=0 leaves
+    # each query its own block only, so the model differs from dense causal attention
+    settings = dict(max_steps=2, block_size=64, batch_size=2, n_layer=1, moba_block=32, moba_topk=0)
+    train.train(tiny_config(tmp_path / "moba", data_dir, attn="moba", **settings))
+    train.train(tiny_config(tmp_path / "dense", data_dir, **settings))
+    moba, dense = ([r["train_loss"] for r in read_metrics(tmp_path / run)[0]] for run in ("moba", "dense"))
+    assert np.isfinite(moba).all() and moba != dense
+    config = load_checkpoint(tmp_path / "moba" / "ckpt.pt")["model_config"]
+    assert (config["attn"], config["moba_block"], config["moba_topk"]) == ("moba", 32, 0)
+
+
 def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
     # same global batch: 2 ranks x 2 micro-steps x 1 sequence here (so no_sync is exercised), 1 process
     # x 4 sequences below
@@ -248,6 +275,15 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
     assert parse_args(["--batch_size=2", str(config)]).batch_size == 8  # the file came last: it wins
 
 
+def test_sparse_attention_flags_reach_the_model_config():
+    assert parse_args(["--attn=triton", "--window=256"]).gpt_config().sparsity() == {"window": 256}
+    moba = parse_args(["--attn=moba", "--moba_block=128", "--moba_topk=3"]).gpt_config()
+    assert moba.attn == "moba" and moba.sparsity() == {"moba_block": 128, "moba_topk": 3}
+    cfg = parse_args([str(REPO / "configs" / "shakespeare_sparse.py"), "--attn=moba"])
+    assert (cfg.model, cfg.block_size, cfg.moba_block, cfg.moba_topk, cfg.window) == ("gpt2", 1024, 128, 3, 0)
+    assert parse_args([str(REPO / "configs" / "shakespeare_sparse.py"), "--window=256"]).gpt_config().window == 256
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batchsize=8"], "unknown setting 'batchsize'"),
     (["--batch_size=eight"], "--batch_size takes an int, got 'eight'"),
@@ -255,6 +291,9 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
     (["--compile=yes"], "--compile takes true/false/1/0"),
     (["--batch_size"], "--batch_size needs a value"),
     (["--attn=flashy"], "unknown attn='flashy'; choose one of: compile, naive, sdpa"),
+    (["--attn=moba", "--window=8"], "model: window=8 with attn='moba' asks for two sparse attentions at once"),
+    (["--window=-1"], "GPTConfig.window must be an int >= 0"),
+    (["--init_from=gpt2", "--attn=moba", "--moba_block=8"], "GPTConfig.moba_block must be an int >= 16"),
     (["--batch_size=3", "--block_size=16", "--total_batch_size=100"], "total_batch_size=100 is not a multiple of"),
     (["--n_layer=2", "--n_head=3", "--n_embd=32"], "n_embd=32 is not divisible by n_head=3"),
     (["--model=gpt5"], "unknown preset 'gpt5'"),

@@ -11,8 +11,10 @@ import os
 from dataclasses import dataclass, fields
 from types import ModuleType
 
-from attention import available_backends
-from model import GPTConfig
+from model import GPTConfig, attention_choices
+
+# the GPTConfig fields that choose the attention; unlike the shape, they apply to init_from models too
+ATTENTION_FIELDS = ("attn", "window", "moba_block", "moba_topk")
 
 
 class ConfigError(ValueError):
@@ -35,7 +37,10 @@ class TrainConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
     dropout: float = 0.0
     bias: bool = True
-    attn: str = "sdpa"  # attention backend: one of attention.available_backends()
+    attn: str = "sdpa"  # attention backend: one of attention.available_backends(), or moba (MoBA's Triton kernel)
+    window: int = 0  # > 0: a causal sliding window, each token sees the `window` before it; 0 = full attention
+    moba_block: int = 512  # attn=moba: keys per block (a multiple of 128 on a GPU); >= block_size is dense causal
+    moba_topk: int = 3  # attn=moba: the earlier blocks each query reads besides its own
     # batch: total_batch_size = batch_size * block_size * grad_accum_steps * world_size
     batch_size: int = 16  # micro-batch B per process
     total_batch_size: int = 0  # tokens per optimizer step; 0 means one micro-batch per process (no accumulation)
@@ -94,8 +99,8 @@ class TrainConfig:
             raise ConfigError(f"warmup_steps={self.warmup_steps} is past the end of the decay at step "
                               f"{self.decay_steps} (lr_decay_steps, or max_steps when it is 0); shorten the warmup")
         self.grad_accum_steps(world_size=1)  # the process count is known at launch, and checked again then
-        if self.attn not in available_backends():
-            raise ConfigError(f"unknown attn={self.attn!r}; choose one of: {', '.join(available_backends())}")
+        if self.attn not in attention_choices():
+            raise ConfigError(f"unknown attn={self.attn!r}; choose one of: {', '.join(attention_choices())}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
@@ -104,17 +109,25 @@ class TrainConfig:
             raise ConfigError("wandb=true but the wandb package is not installed: "
                               "pip install wandb, or pass --wandb=false")
         if self.init_from == "scratch":
-            self.gpt_config()  # GPTConfig checks the model shape (n_embd divisible by n_head, ...)
+            self.gpt_config()  # GPTConfig checks the model shape (n_embd divisible by n_head, ...) and attention
+        else:
+            try:  # init_from brings the shape; the attention settings still apply
+                GPTConfig(**self.attention_settings())
+            except ValueError as err:
+                raise ConfigError(f"model: {err}") from None
 
     @property
     def decay_steps(self) -> int:
         return self.lr_decay_steps or self.max_steps
 
+    def attention_settings(self) -> dict:
+        return {name: getattr(self, name) for name in ATTENTION_FIELDS}
+
     def gpt_config(self) -> GPTConfig:
         sizes = {name: getattr(self, name) for name in ("n_layer", "n_head", "n_embd") if getattr(self, name)}
         try:
             return GPTConfig.preset(self.model, **sizes, block_size=self.block_size, vocab_size=self.vocab_size,
-                                    dropout=self.dropout, bias=self.bias, attn=self.attn)
+                                    dropout=self.dropout, bias=self.bias, **self.attention_settings())
         except ValueError as err:
             raise ConfigError(f"model: {err}") from None
 
