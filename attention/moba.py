@@ -35,6 +35,20 @@ def _check_moba_args(q: torch.Tensor, k: torch.Tensor, block_size, topk) -> None
         )
 
 
+def block_means(k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, Hkv, n_blocks, D) mean key of each block, summed in float32 (at least) without a float32
+    copy of k; the last block may be shorter than block_size."""
+    T = k.shape[2]
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    whole = T // block_size * block_size
+    sums = [k[:, :, :whole].unflatten(2, (-1, block_size)).sum(3, dtype=dtype)]  # (B, Hkv, T // bs, D)
+    if whole < T:
+        sums.append(k[:, :, whole:].sum(2, keepdim=True, dtype=dtype))
+    counts = torch.full((-(-T // block_size), 1), block_size, dtype=dtype, device=k.device)
+    counts[-1] = T - whole if whole < T else block_size
+    return torch.cat(sums, 2) / counts
+
+
 @torch.no_grad()  # a hard top-k choice: no gradient flows through the selection
 def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
     """(B, Hq, T, topk + 1) int64 key-block indices per query: slot 0 its own block, slots 1.. its
@@ -46,25 +60,17 @@ def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) ->
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     n_blocks = -(-T // block_size)
-    # block means, summed in fp32 (at least) without an fp32 copy of k; the last block may be short
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    whole = T // block_size * block_size
-    sums = [k[:, :, :whole].unflatten(2, (-1, block_size)).sum(3, dtype=dtype)]  # (B, Hkv, T // bs, D)
-    if whole < T:
-        sums.append(k[:, :, whole:].sum(2, keepdim=True, dtype=dtype))
-    counts = torch.full((n_blocks, 1), block_size, dtype=dtype, device=k.device)
-    counts[-1] = T - whole if whole < T else block_size
-    means = torch.cat(sums, 2) / counts  # (B, Hkv, n_blocks, D)
+    means = block_means(k, block_size)  # (B, Hkv, n_blocks, D)
     # GQA without repeating: the G query heads of a kv head are one batch of rows for its means
     G = Hq // Hkv
-    scores = q.to(dtype).reshape(B, Hkv, G * T, D) @ means.transpose(-2, -1)  # (B, Hkv, G*T, n_blocks)
+    scores = q.to(means.dtype).reshape(B, Hkv, G * T, D) @ means.transpose(-2, -1)  # (B, Hkv, G*T, n_blocks)
     scores = scores.view(B, Hq, T, n_blocks)
 
     own = torch.arange(T, device=q.device) // block_size  # (T,) each query's block
     past = torch.arange(n_blocks, device=q.device)[None, :] < own[:, None]  # (T, n_blocks)
     scores = scores.masked_fill(~past, float("-inf"))
-    # top-k by repeated argmax: with k of a few and n_blocks in the tens this is a few reductions,
-    # where torch.topk's sort costs more than the attention itself at T = 32k
+    # top-k by repeated argmax (k is a few, n_blocks tens): the procedure of the fused gate
+    # (triton_moba.py:_moba_gate), so both pick the same blocks, ties going to the lower index
     chosen = []
     for _ in range(topk):
         best = scores.argmax(-1, keepdim=True)  # (B, Hq, T, 1)
@@ -97,12 +103,12 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
                          f"got {backend!r}")
     check_qkv(q, k, v, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    selection = moba_select(q, k, block_size, topk)
     if backend == "triton":
         # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
-        from .triton_moba import moba_triton
+        from .triton_moba import moba_gate, moba_triton
 
-        return moba_triton(q, k, v, selection, block_size, scale)
+        return moba_triton(q, k, v, moba_gate(q, k, block_size, topk), block_size, scale)
+    selection = moba_select(q, k, block_size, topk)
     visible = moba_mask(selection, block_size, k.shape[2])
     if backend == "sdpa":
         # every query sees at least itself (its own block, causal), so no row is empty and needs zeroing

@@ -93,29 +93,28 @@ def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int 
 _best_tile: dict[tuple, tuple] = {}
 
 
-def _launch(kernel: str, jit_fn, grid_of_tile, args: tuple, constants: dict, Tq: int, Tk: int, dtype) -> None:
+def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,
+            block: int | None = None) -> None:
     """Launch jit_fn with the fastest tile for this call's key, timing the candidates on first use (§9).
+    args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists
+    are cut in tiles, attention/triton_moba.py). block: a size the tiles must divide (§10, §11).
 
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
     GPT-2's shape on the H200 box (benchmarks/launch_overhead.py); here the key is a small tuple."""
+    def run(tile):
+        block_m, block_n, warps, stages = tile
+        jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
+                                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
     key = (kernel, tuple(constants.items()), dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     tile = _best_tile.get(key)
     if tile is None:
-        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize,
-                                     constants["MASK_BLOCK"] if constants["SPARSE"] else None)
-
-        def run(tile):
-            block_m, block_n, warps, stages = tile
-            jit_fn[grid_of_tile(block_m, block_n)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                   num_warps=warps, num_stages=stages)
-
+        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
         tile = candidates[0] if len(candidates) == 1 else min(
             candidates, key=lambda t: triton.testing.do_bench(lambda: run(t), warmup=5, rep=20, return_mode="median"))
         _best_tile[key] = tile
-    block_m, block_n, warps, stages = tile
-    jit_fn[grid_of_tile(block_m, block_n)](*args, **constants, BLOCK_M=block_m, BLOCK_N=block_n,
-                                           num_warps=warps, num_stages=stages)
+    run(tile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,15 +210,22 @@ def _query_ranges(start_n, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _listed_tile(row, i, n_blocks, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
-    """§10: the i-th tile of the blocks a block-mask row lists (row = [n_full, n_listed, blocks...,
-    tile ids...], see attention/block_mask.py), counting TILE-wide tiles: each block holds
-    MASK_BLOCK // TILE of them. One flat loop over tiles (not a loop per block) lets Triton's software
-    pipelining prefetch across block boundaries. -> (first position of the tile, the block's tile id)."""
+def _listed_tile(row, i, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """§10: the first position of the i-th tile of the blocks a block-mask row lists (row = [n_full,
+    n_listed, blocks..., tile ids...], see attention/block_mask.py), counting TILE-wide tiles: each
+    block holds MASK_BLOCK // TILE of them. One flat loop over tiles (not a loop per block) lets
+    Triton's software pipelining prefetch across block boundaries."""
     TILES_PER_BLOCK: tl.constexpr = MASK_BLOCK // TILE
-    j = i // TILES_PER_BLOCK
-    start = tl.load(row + 2 + j) * MASK_BLOCK + (i % TILES_PER_BLOCK) * TILE
-    return start, tl.load(row + 2 + n_blocks + j)
+    return tl.load(row + 2 + i // TILES_PER_BLOCK) * MASK_BLOCK + (i % TILES_PER_BLOCK) * TILE
+
+
+@triton.jit
+def _listed_tile_id(row, i, n_blocks, BITS: tl.constexpr, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """The stored-mask tile id of the block holding listed tile i (-1 without a mask function)."""
+    tile_id = -1
+    if BITS:
+        tile_id = tl.load(row + 2 + n_blocks + i // (MASK_BLOCK // TILE))
+    return tile_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,11 +296,12 @@ def _attn_fwd(Q, K, V, O, LSE,
         n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
         n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
         for i in range(n_full):
-            start_n, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                                       stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for i in range(n_full, n_listed):
-            start_n, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
+            tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_N)
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
                                tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
@@ -393,11 +400,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
             n_full = tl.load(row) * (MASK_BLOCK // BLOCK_M)  # in tiles
             n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_M)
             for i in range(n_full):
-                start_m, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_M)
+                start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
             for i in range(n_full, n_listed):
-                start_m, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_M)
+                start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
+                tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = _visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
                                     tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
@@ -484,11 +492,12 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
         n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
         n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
         for i in range(n_full):
-            start_n, _ = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for i in range(n_full, n_listed):
-            start_n, tile_id = _listed_tile(row, i, n_blocks, MASK_BLOCK, BLOCK_N)
+            start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
+            tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_N)
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
                                tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
@@ -548,6 +557,10 @@ class MaskArgs(NamedTuple):
 DENSE = MaskArgs()
 
 
+def _tiles_divide(mask: MaskArgs) -> int | None:
+    return mask.block_size if mask.kv_blocks is not None else None  # a sparse call's tiles walk its blocks
+
+
 def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
     """The kernels' mask arguments (BLOCKS ... TILE_BITS) for one block list (kv or q direction)."""
     if lists is None:
@@ -573,7 +586,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
             *_mask_args(mask, mask.kv_blocks, Tk))
     _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-            args, _constants(q, causal, mask), Tq, Tk, q.dtype)
+            args, _constants(q, causal, mask), Tq, Tk, q.dtype, _tiles_divide(mask))
     return o, lse
 
 
@@ -592,8 +605,10 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float,
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
             (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-             *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype)
+             *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype,
+            _tiles_divide(mask))
     _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
             (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-             *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype)
+             *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype,
+            _tiles_divide(mask))
     return dq, dk, dv

@@ -10,6 +10,7 @@ partial result (output and log-sum-exp, §4) in the query's slot; a merge by log
 them, the same rescaling as the online softmax (§2), done once across slots instead of per tile.
 
 Kernels (reusing the dense kernels' tile functions from triton_flash.py):
+  _moba_gate       the router: block scores and top-k for a tile of queries (moba_select, fused)
   _moba_fwd        a program per (key block, tile of its entries): partial out + lse per entry
   _moba_bwd_dq     the same programs: dQ per entry, summed over a query's slots afterwards
   _moba_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV from every entry of its block,
@@ -18,6 +19,8 @@ Each query always selects its own block, under the causal mask: within a block's
 come first (entries are sorted by query), so only the first tiles of a list and the last, ragged one
 are masked; the rest see the whole block.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +33,7 @@ from .triton_flash import (
     _dq_tile,
     _fwd_tile,
     _head_base,
+    _launch,
     _load_rows,
     candidate_tiles,
 )
@@ -104,8 +108,8 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
               H, GROUP, T, S, n_lists, n_blocks, scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MOBA_BLOCK: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh, block, tile, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
-                                                         MOBA_BLOCK, BLOCK_M)
+    bh, block, _, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
+                                                      MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
     V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
@@ -290,18 +294,63 @@ def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, strid
                              HEAD_DIM)
 
 
+@triton.jit
+def _moba_gate(Q, MEANS, SELECTION, stride_qb, stride_qh, stride_qt, stride_qd, H, GROUP, T, n_blocks,
+               TOPK: tl.constexpr, MOBA_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr):
+    """MoBA's router for a tile of queries, fused: scores q . mean(k) against every block (one tl.dot,
+    exact fp32), past blocks only, then the top-k by repeated argmax, written as moba_select's
+    (T, TOPK + 1) rows [own block, best, second, ..., -1 where a query has too few past blocks]."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_pos = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
+    cols = tl.arange(0, BLOCK_D)
+    q = _load_rows(_head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd, HEAD_DIM, True)
+    blocks = tl.arange(0, BLOCK_B)  # (NB,)
+    means = tl.load(MEANS + ((b * (H // GROUP) + h // GROUP) * n_blocks + blocks)[:, None] * HEAD_DIM + cols[None, :],
+                    mask=(blocks[:, None] < n_blocks) & (cols[None, :] < HEAD_DIM), other=0.0)  # (NB, D) float32
+    scores = tl.dot(q.to(tl.float32), tl.trans(means), input_precision="ieee")  # (M, NB)
+    own = q_pos // MOBA_BLOCK  # (M,)
+    scores = tl.where(blocks[None, :] < own[:, None], scores, float("-inf"))  # past blocks only
+    out = SELECTION + (bh.to(tl.int64) * T + q_pos) * (TOPK + 1)  # (M,) each query's row
+    tl.store(out, own, mask=q_pos < T)
+    for i in tl.static_range(TOPK):
+        best = tl.argmax(scores, 1)  # (M,)
+        found = tl.max(scores, 1) > float("-inf")
+        tl.store(out + 1 + i, tl.where(found, best, -1), mask=q_pos < T)
+        scores = tl.where(blocks[None, :] == best[:, None], float("-inf"), scores)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-def _tile(kernel: str, q: torch.Tensor) -> tuple:
-    # one fixed tile per kernel (the first candidate): the work list is cut in tiles of BLOCK_M entries,
-    # so timing candidates per call would rebuild it for each; the block size is a multiple of every tile
-    return candidate_tiles(kernel, triton.next_power_of_2(q.shape[-1]), q.dtype.itemsize)[0]
-
-
 def _constants(q: torch.Tensor, block_size: int) -> dict:
     return {"HEAD_DIM": q.shape[-1], "BLOCK_D": triton.next_power_of_2(q.shape[-1]), "MOBA_BLOCK": block_size,
             "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+
+
+GATE_ROWS = 64  # queries per gate program
+GATE_MAX_BLOCKS = 256  # a row of scores per query stays in registers up to this many blocks
+
+
+@torch.no_grad()
+def moba_gate(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+    """moba_select (attention/moba.py) with the scoring and top-k fused in one kernel (_moba_gate):
+    the same selection, without the (B, Hq, T, n_blocks) score tensor in memory."""
+    from .moba import _check_moba_args, block_means, moba_select
+
+    _check_moba_args(q, k, block_size, topk)
+    B, H, T, D = q.shape
+    n_blocks = -(-T // block_size)
+    if n_blocks > GATE_MAX_BLOCKS:  # very long sequences: the unfused version
+        return moba_select(q, k, block_size, topk)
+    means = block_means(k, block_size).float().contiguous()  # (B, Hkv, n_blocks, D)
+    selection = torch.empty(B, H, T, topk + 1, dtype=torch.int64, device=q.device)
+    _moba_gate[(triton.cdiv(T, GATE_ROWS), B * H)](
+        q, means, selection, *q.stride(), H, H // k.shape[1], T, n_blocks, TOPK=topk, MOBA_BLOCK=block_size,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_B=max(16, triton.next_power_of_2(n_blocks)),
+        BLOCK_M=GATE_ROWS)
+    return selection
 
 
 MERGE_ROWS = 32  # queries per merge program (_moba_merge): S partial rows of D floats each
@@ -320,16 +369,17 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     B, H, T, D = q.shape
     S = selection.shape[-1]
     order, first, count = entry_lists(selection, block_size)
-    block_m, block_n, warps, stages = _tile("fwd", q)
-    work = work_items(count, T, S, block_m)
     # one partial result per (query, slot); the merge skips the empty slots, so nothing is zero-filled
     o_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
     lse_part = q.new_empty(B, H, T, S, dtype=torch.float32)
-    _moba_fwd[(work.shape[0],)](q, k, v, o_part, lse_part, work, order, first, count,
-                                *q.stride(), *k.stride(), *v.stride(),
-                                H, H // k.shape[1], T, S, count.numel(), count.shape[1], scale,
-                                **_constants(q, block_size), BLOCK_M=block_m, BLOCK_N=block_n,
-                                num_warps=warps, num_stages=stages)
+    work = functools.cache(lambda block_m: work_items(count, T, S, block_m))  # the tile decides the work list
+
+    def args(block_m):
+        return (q, k, v, o_part, lse_part, work(block_m), order, first, count, *q.stride(), *k.stride(), *v.stride(),
+                H, H // k.shape[1], T, S, count.numel(), count.shape[1], scale)
+
+    _launch("fwd", _moba_fwd, lambda block_m, _: (work(block_m).shape[0],), args, _constants(q, block_size),
+            T, T, q.dtype, block_size)
     o = triton_flash.empty_bthd(B, H, T, D, q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _merge(o_part, lse_part, selection, o, lse)
@@ -343,28 +393,28 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
     delta = (do.float() * o.float()).sum(-1)  # §5 Delta = rowsum(dO * O), (B, H, T)
     constants = _constants(q, block_size)
 
-    block_m, block_n, warps, stages = _tile("dq", q)
-    work = work_items(count, T, S, block_m)
     dq_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
     # the entries' rows in list order, for the dK/dV kernel (see _moba_bwd_dq)
     q_listed, do_listed = (t.new_empty(B * H, T * S, D) for t in (q, do))
     lse_listed, delta_listed = (torch.empty(B * H, T * S, dtype=torch.float32, device=q.device) for _ in range(2))
-    _moba_bwd_dq[(work.shape[0],)](q, k, v, do, lse, delta, dq_part, q_listed, do_listed, lse_listed, delta_listed,
-                                   work, order, first, count,
-                                   *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                                   H, H // Hkv, T, S, count.numel(), count.shape[1], scale,
-                                   **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    work = functools.cache(lambda block_m: work_items(count, T, S, block_m))
+
+    def args(block_m):
+        return (q, k, v, do, lse, delta, dq_part, q_listed, do_listed, lse_listed, delta_listed, work(block_m), order,
+                first, count, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                H, H // Hkv, T, S, count.numel(), count.shape[1], scale)
+
+    _launch("dq", _moba_bwd_dq, lambda block_m, _: (work(block_m).shape[0],), args, constants, T, T, q.dtype,
+            block_size)
     dq = triton_flash.empty_bthd(B, H, T, D, q)
     _merge(dq_part, None, selection, dq, None)
 
     dk = triton_flash.empty_bthd(B, Hkv, T, D, k)
     dv = triton_flash.empty_bthd(B, Hkv, T, D, v)
-    block_m, block_n, warps, stages = _tile("dkdv", q)
-    _moba_bwd_dkdv[(triton.cdiv(T, block_n), B * Hkv)](
-        q_listed, k, v, do_listed, dk, dv, lse_listed, delta_listed, order, first, count,
-        *k.stride(), *v.stride(), *dk.stride(), *dv.stride(),
-        H, H // Hkv, T, S, count.shape[1], scale,
-        **constants, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    _launch("dkdv", _moba_bwd_dkdv, lambda _, block_n: (triton.cdiv(T, block_n), B * Hkv),
+            (q_listed, k, v, do_listed, dk, dv, lse_listed, delta_listed, order, first, count,
+             *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), H, H // Hkv, T, S, count.shape[1], scale),
+            constants, T, T, q.dtype, block_size)
     return dq, dk, dv
 
 
@@ -419,8 +469,10 @@ def moba_triton(q, k, v, selection: torch.Tensor, block_size: int, scale: float)
     from .triton_op import _check_kernel_support
 
     _check_kernel_support(q)
-    largest_tile = max(max(_tile(kernel, q)[:2]) for kernel in ("fwd", "dq", "dkdv"))
-    if block_size % largest_tile:
-        raise ValueError(f"the triton MoBA kernels walk a block in tiles of up to {largest_tile} rows, so block_size "
-                         f"must be a multiple of {largest_tile}, got {block_size}; the MoBA paper uses 512")
+    try:
+        for kernel in ("fwd", "dq", "dkdv"):
+            candidate_tiles(kernel, triton.next_power_of_2(q.shape[-1]), q.dtype.itemsize, block_size)
+    except ValueError:
+        raise ValueError(f"the triton MoBA kernels walk a block in tiles, and block_size={block_size} is smaller "
+                         "than every tile of one of them; use a multiple of 128 (the MoBA paper uses 512)") from None
     return MobaFunction.apply(q, k, v, selection.contiguous(), block_size, scale)
