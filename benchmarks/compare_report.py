@@ -3,11 +3,12 @@ re-run at any time and never disagrees with them:
 
     python -m benchmarks.compare_report benchmarks/results/compare-<id> [--reference sdpa] [--skip_steps 10]
 
-For each backend folder <out_dir>/<backend>/ it reads metrics.jsonl (and run.json, which compare.py
+For each run folder <out_dir>/<variant>/ it reads metrics.jsonl (and run.json, which compare.py
 writes beside it) and writes comparison.json, comparison.md and loss.png to <out_dir>.
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def summarize_run(train: dict[int, dict], val: dict[int, float], ref_train: dict
         "last_step": max(train, default=None),
         "final_train_loss": losses[max(losses)] if losses else None,
         "final_val_loss": val[max(val)] if val else None,
+        "min_val_loss": min(val.values(), default=None),
         "max_abs_train_diff": max_abs_diff(losses, {s: r["train_loss"] for s, r in ref_train.items()}),
         "max_abs_val_diff": max_abs_diff(val, ref_val),
         "timed_steps": len(steady),
@@ -64,7 +66,7 @@ def summarize_run(train: dict[int, dict], val: dict[int, float], ref_train: dict
 
 
 def find_runs(out_dir: Path) -> list[str]:
-    """Backend folders: those compare.py started (run.json) or that hold metrics."""
+    """Run folders: those compare.py started (run.json) or that hold metrics."""
     return sorted(d.name for d in out_dir.iterdir() if (d / "run.json").exists() or (d / "metrics.jsonl").exists())
 
 
@@ -75,7 +77,8 @@ def load_runs(out_dir: Path) -> dict[str, dict]:
         meta = json.loads(run_json.read_text()) if run_json.exists() else {}
         train, val = read_metrics(metrics) if metrics.exists() else ({}, {})
         runs[name] = {"meta": meta, "train": train, "val": val}
-    return runs
+    # in the order compare.py ran them (its run.json numbers them), other folders after by name
+    return dict(sorted(runs.items(), key=lambda item: item[1]["meta"].get("index", math.inf)))
 
 
 def run_status(name: str, run: dict) -> str:
@@ -85,21 +88,33 @@ def run_status(name: str, run: dict) -> str:
     return "ok" if run["train"] else "no metrics logged"
 
 
+def speedup(baseline: dict | None, row: dict) -> float | None:
+    """How many times faster row's median step is than baseline's; None when either has no timing."""
+    base_ms, ms = (baseline or {}).get("median_step_ms"), row["median_step_ms"]
+    return base_ms / ms if base_ms and ms else None
+
+
+def default_reference(names) -> str | None:
+    """sdpa when it ran (the backend comparison's yardstick), else the first run."""
+    names = list(names)
+    return "sdpa" if "sdpa" in names else names[0] if names else None
+
+
 def summarize(runs: dict[str, dict], reference: str, skip_steps: int) -> dict:
     if reference not in runs:
-        raise ValueError(f"reference backend {reference!r} has no run here (found {', '.join(runs) or 'none'}); "
+        raise ValueError(f"reference run {reference!r} has no folder here (found {', '.join(runs) or 'none'}); "
                          "pass --reference with one of those")
     ref = runs[reference]
     backends = {
-        name: {"status": run_status(name, run), **summarize_run(run["train"], run["val"], ref["train"], ref["val"], skip_steps)}
+        name: {"status": run_status(name, run), "settings": run["meta"].get("settings"),
+               **summarize_run(run["train"], run["val"], ref["train"], ref["val"], skip_steps)}
         for name, run in runs.items()
     }
-    naive_ms = backends.get("naive", {}).get("median_step_ms")
     for row in backends.values():
-        ms = row["median_step_ms"]
-        row["speedup_vs_naive"] = naive_ms / ms if naive_ms and ms else None
+        row["speedup_vs_naive"] = speedup(backends.get("naive"), row)
+        row["speedup_vs_reference"] = speedup(backends[reference], row)
     first_meta = next((run["meta"] for run in runs.values() if "env" in run["meta"]), {})
-    # backends run by separate commands into one folder must still share every other setting
+    # runs started by separate commands into one folder must still share every other setting
     arg_sets = {tuple(run["meta"]["train_args"]) for run in runs.values() if "train_args" in run["meta"]}
     warnings = [f"the runs were started with different train.py arguments: {sorted(arg_sets)}"] if len(arg_sets) > 1 else []
     return {
@@ -109,7 +124,7 @@ def summarize(runs: dict[str, dict], reference: str, skip_steps: int) -> dict:
         "env": first_meta.get("env"),
         "train_args": first_meta.get("train_args"),
         "warnings": warnings,
-        "backends": backends,
+        "backends": backends,  # one row per run; named when every run was a backend, kept for older readers
     }
 
 
@@ -117,6 +132,7 @@ COLUMNS = [  # (header, key, scale)
     ("last step", "last_step", 1),
     ("final train loss", "final_train_loss", 1),
     ("final val loss", "final_val_loss", 1),
+    ("min val loss", "min_val_loss", 1),
     ("max abs train diff", "max_abs_train_diff", 1),
     ("max abs val diff", "max_abs_val_diff", 1),
     ("median step ms", "median_step_ms", 1),
@@ -124,47 +140,60 @@ COLUMNS = [  # (header, key, scale)
     ("MFU %", "median_mfu", 100),
     ("peak mem GB", "peak_mem_gb", 1),
     ("speed-up vs naive", "speedup_vs_naive", 1),
+    ("speed-up vs reference", "speedup_vs_reference", 1),
 ]
 
 
+def flags_text(settings: dict | None) -> str | None:
+    return " ".join(f"--{key}={value}" for key, value in settings.items()) if settings else None
+
+
 def markdown(summary: dict) -> str:
-    env, ref = summary["env"] or {}, summary["reference"]
-    rows = [
-        [name] + [fmt(row[key] * scale if row[key] is not None else None) for _, key, scale in COLUMNS] + [row["status"]]
-        for name, row in summary["backends"].items()
-    ]
+    env, ref, runs = summary["env"] or {}, summary["reference"], summary["backends"]
+    cells = {name: {"flags": flags_text(row["settings"]), "status": row["status"],
+                    **{key: fmt(row[key] * scale if row[key] is not None else None) for _, key, scale in COLUMNS}}
+             for name, row in runs.items()}
+    columns = [("flags", "flags"), *((header, key) for header, key, _ in COLUMNS), ("status", "status")]
+    # a column no run has a value for (MFU on a CPU, speed-up vs naive without a naive run) is left out
+    columns = [(header, key) for header, key in columns if any(c[key] not in (None, "-") for c in cells.values())]
     lines = [
         "# Training comparison\n",
         f"Group `{summary['group']}`; {env.get('gpu') or 'CPU'}, torch {env.get('torch')}, triton {env.get('triton')}, "
-        f"{env.get('date')}. train.py arguments: `{' '.join(summary['train_args'] or [])}`\n",
-        f"- diffs: largest |loss(backend) - loss({ref})| over the steps both logged (same seed, same data order)",
+        f"{env.get('date')}. train.py arguments: `{' '.join(summary['train_args'] or [])}`; each run's flags follow them\n",
+        f"- diffs: largest |loss(run) - loss({ref})| over the steps both logged (same seed, same data order); "
+        f"speed-up vs reference: {ref}'s median step time over the run's",
         f"- step time, tokens/s, MFU: medians over the logged steps >= {summary['skip_steps']} that train.py did not "
         "flag as warm-up (those pay for compilation and cold caches); peak memory: the largest logged\n",
         *(f"**Warning: {w}**\n" for w in summary["warnings"]),
-        "## Per backend\n",
-        markdown_table(["backend", *(h for h, _, _ in COLUMNS), "status"], rows),
+        "## Per run\n",
+        markdown_table(["run", *(header for header, _ in columns)],
+                       [[name, *(cells[name][key] for _, key in columns)] for name in runs]),
     ]
     return "\n".join(lines)
 
 
-def plot_losses(runs: dict[str, dict], reference: str, path: Path) -> None:
+def plot_losses(runs: dict[str, dict], summary: dict, path: Path) -> None:
     plt = pyplot()
     if plt is None:
         return
     fig, (curves, diffs) = plt.subplots(1, 2, figsize=(13, 4.5))
+    reference = summary["reference"]
     ref_losses = {s: r["train_loss"] for s, r in runs[reference]["train"].items()}
     for i, (name, run) in enumerate(runs.items()):
-        color = f"C{i}"  # one colour per backend in both panels
+        color = f"C{i}"  # one colour per run in both panels
         steps = list(run["train"])
         if not steps:
             continue  # a run that failed before logging
-        curves.plot(steps, [r["train_loss"] for r in run["train"].values()], color=color, label=f"{name} train", alpha=0.8)
+        step_ms = summary["backends"][name]["median_step_ms"]
+        speed = f", {fmt(step_ms)} ms/step" if step_ms is not None else ""
+        curves.plot(steps, [r["train_loss"] for r in run["train"].values()], color=color, label=f"{name} train{speed}",
+                    alpha=0.8)
         if run["val"]:
             curves.plot(list(run["val"]), list(run["val"].values()), "o--", color=color, label=f"{name} val")
         common = [s for s in steps if s in ref_losses]
         if name != reference and common:
             diffs.plot(common, [abs(run["train"][s]["train_loss"] - ref_losses[s]) for s in common], color=color, label=name)
-    curves.set(xlabel="step", ylabel="loss", title="loss, all backends overlaid")
+    curves.set(xlabel="step", ylabel="loss", title="loss, all runs overlaid")
     diffs.set(xlabel="step", ylabel=f"|train loss - {reference}|", title=f"distance from {reference}")
     for ax in (curves, diffs):
         ax.grid(True, alpha=0.3)
@@ -175,20 +204,21 @@ def plot_losses(runs: dict[str, dict], reference: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(out_dir, reference: str = "sdpa", skip_steps: int = 10) -> dict:
+def write_report(out_dir, reference: str | None = None, skip_steps: int = 10) -> dict:
+    """reference: the run the loss differences and speed-ups are measured against (default_reference)."""
     out_dir = Path(out_dir)
     runs = load_runs(out_dir)
-    summary = summarize(runs, reference, skip_steps)
+    summary = summarize(runs, reference or default_reference(runs), skip_steps)
     write_json(out_dir / "comparison.json", summary)
     (out_dir / "comparison.md").write_text(markdown(summary))
-    plot_losses(runs, reference, out_dir / "loss.png")
+    plot_losses(runs, summary, out_dir / "loss.png")
     return summary
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Redo a training comparison's table and plot from its metrics.jsonl files")
-    p.add_argument("out_dir", help="the comparison folder, holding one folder per backend")
-    p.add_argument("--reference", default="sdpa", help="the backend the loss differences are measured against")
+    p.add_argument("out_dir", help="the comparison folder, holding one folder per run")
+    p.add_argument("--reference", help="the run the loss differences are measured against (default sdpa, else the first)")
     p.add_argument("--skip_steps", type=int, default=10, help="steps before this are left out of the speed medians")
     args = p.parse_args(argv)
     write_report(args.out_dir, args.reference, args.skip_steps)

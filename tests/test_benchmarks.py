@@ -4,6 +4,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +178,7 @@ def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):
 # training comparison
 
 
-def write_run(folder: Path, losses, step_ms, val=None, returncode=0, repeat_step=None):
+def write_run(folder: Path, losses, step_ms, val=None, returncode=0, repeat_step=None, **meta):
     folder.mkdir(parents=True)
     lines = []
     for step, (loss, ms) in enumerate(zip(losses, step_ms)):
@@ -189,12 +190,12 @@ def write_run(folder: Path, losses, step_ms, val=None, returncode=0, repeat_step
     for step, loss in (val or {}).items():
         lines.append({"step": step, "val_loss": loss, "attn": folder.name})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    (folder / "run.json").write_text(json.dumps({"backend": folder.name, "group": "g", "train_args": ["c.py"],
-                                                 "returncode": returncode, "env": {"torch": "2.13"}}))
+    (folder / "run.json").write_text(json.dumps({"variant": folder.name, "group": "g", "train_args": ["c.py"],
+                                                 "returncode": returncode, "env": {"torch": "2.13"}, **meta}))
 
 
 def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
-    write_run(tmp_path / "sdpa", [5.0, 4.0, 3.0, 2.5, 2.0], [900, 100, 100, 110, 90], val={4: 2.10})
+    write_run(tmp_path / "sdpa", [5.0, 4.0, 3.0, 2.5, 2.0], [900, 100, 100, 110, 90], val={2: 2.05, 4: 2.10})
     write_run(tmp_path / "triton", [5.0, 4.01, 2.97, 2.52, 2.0], [2000, 50, 50, 60, 40], val={4: 2.15}, repeat_step=2)
     write_run(tmp_path / "naive", [5.0, 4.0, 3.0, 2.5, 2.0], [800, 200, 200, 220, 180])
     (tmp_path / "compile").mkdir()
@@ -209,6 +210,8 @@ def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
     # step 0, flagged warm-up by train.py, is dropped: medians of the 4 later steps
     assert b["triton"]["median_step_ms"] == 50 and b["sdpa"]["median_step_ms"] == 100 and b["naive"]["median_step_ms"] == 200
     assert b["triton"]["speedup_vs_naive"] == 4.0 and b["sdpa"]["speedup_vs_naive"] == 2.0
+    assert b["triton"]["speedup_vs_reference"] == 2.0 and b["naive"]["speedup_vs_reference"] == 0.5
+    assert b["sdpa"]["final_val_loss"] == 2.10 and b["sdpa"]["min_val_loss"] == 2.05
     assert b["triton"]["median_tokens_per_s"] == 20.0 and b["triton"]["median_mfu"] is None
     assert b["compile"]["status"].startswith("failed: train.py exited with 1") and b["compile"]["median_step_ms"] is None
 
@@ -221,12 +224,61 @@ def test_comparison_reports_loss_diffs_steady_medians_and_speedups(tmp_path):
     (tmp_path / "naive" / "run.json").write_text(json.dumps({**meta, "train_args": ["c.py", "--max_steps=9"]}))
     assert "different train.py arguments" in compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", 0)["warnings"][0]
     assert (tmp_path / "loss.png").stat().st_size > 0
-    header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per backend")
+    header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per run")
+    assert "MFU %" not in header and "flags" not in header  # no run has a value for them
     for row in rows:
         for column, text in zip(header[1:], row[1:]):
             key, scale = next((key, scale) for h, key, scale in compare_report.COLUMNS + [("status", "status", None)] if h == column)
             value = b[row[0]][key]
             assert text == (value if scale is None else fmt(value * scale if value is not None else None)), (row[0], column)
+
+
+def test_report_keeps_the_order_runs_were_made_in_and_their_flags(tmp_path):
+    for index, name in enumerate(["dense", "window", "moba"], 1):
+        write_run(tmp_path / name, [5.0, 4.0, 3.0], [100, 100 / index, 100 / index], val={2: 3.0 + index},
+                  index=index, settings={"attn": "triton", **({"window": "256"} if name == "window" else {})})
+    summary = compare_report.write_report(tmp_path, skip_steps=0)  # no sdpa run: the first is the reference
+    assert summary["reference"] == "dense" and list(summary["backends"]) == ["dense", "window", "moba"]
+    assert summary["backends"]["moba"]["speedup_vs_reference"] == 3.0
+    assert summary["backends"]["window"]["max_abs_val_diff"] == 1.0
+    header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per run")
+    assert header[:2] == ["run", "flags"] and "speed-up vs naive" not in header
+    assert [row[:2] for row in rows] == [["dense", "--attn=triton"], ["window", "--attn=triton --window=256"],
+                                         ["moba", "--attn=triton"]]
+
+
+@pytest.mark.parametrize("text, settings", [
+    ("window:attn=triton,window=256", ("window", {"attn": "triton", "window": "256"})),
+    ("dense:", ("dense", {})),
+    ("moba-128:attn=moba,moba_block=128,", ("moba-128", {"attn": "moba", "moba_block": "128"})),
+])
+def test_parse_variant(text, settings):
+    assert compare.parse_variant(text) == settings
+
+
+@pytest.mark.parametrize("text, message", [
+    ("window", "write name:key=value"), ("../x:attn=sdpa", "write name:key=value"),
+    ("w:window", "'window' is not key=value"), ("w:out_dir=/tmp", "compare.py sets --out_dir for each run itself"),
+])
+def test_bad_variants_say_how_to_write_one(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compare.parse_variant(text)
+
+
+def test_variants_flags_come_last_and_cannot_be_given_twice(tmp_path, capsys):
+    args, train_args = compare.parse_args(["--variants", "dense:attn=triton", "window:attn=triton,window=256",
+                                           "--out_dir", str(tmp_path), "--", "configs/x.py", "--max_steps=5"])
+    assert list(args.variants) == ["dense", "window"] and args.reference == "dense"
+    cmd = compare.train_command("window", tmp_path / "window", args, train_args)
+    assert cmd[-6:-3] == ["--max_steps=5", "--attn=triton", "--window=256"] and cmd[-1] == "--wandb_run_name=window"
+    with pytest.raises(ValueError, match="compare.py sets --window per run"):  # it would change one variant only
+        compare.train_command("dense", tmp_path, args, ["--window=128"])
+    for argv, message in ([["--variants", "a:", "a:window=8"], "two runs share a name"],
+                          [["--variants", "a:", "--backends", "sdpa"], "not allowed with argument"],
+                          [["--variants", "a:", "--reference", "b"], "--reference b is none of the runs: a"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_train_command_lets_user_flags_override_defaults_but_not_per_backend_ones(tmp_path):
@@ -239,16 +291,22 @@ def test_train_command_lets_user_flags_override_defaults_but_not_per_backend_one
     assert cmd[-4:-2] == ["--attn=triton", f"--out_dir={tmp_path / 'triton'}"]
     with pytest.raises(ValueError, match="compare.py sets --attn"):
         compare.train_command("sdpa", tmp_path, args, ["--attn=naive"])
+    assert compare.parse_args(["--", "c.py"])[0].variants == {b: {"attn": b} for b in ("naive", "compile", "sdpa", "triton")}
 
 
-@pytest.mark.slow
-def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
+def toy_token_shards(tmp_path) -> Path:
+    """A data folder of random train and val tokens under a vocabulary of 512, for toy train.py runs."""
     data = tmp_path / "data"
     data.mkdir()
     tokens = np.random.default_rng(0).integers(0, 512, size=20_000)
     for split in ("train", "val"):
         np.save(data / f"{split}_000000.npy", tokens.astype(np.uint16))
-    out = tmp_path / "cmp"
+    return data
+
+
+@pytest.mark.slow
+def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
+    data, out = toy_token_shards(tmp_path), tmp_path / "cmp"
     code = compare.main(["--backends", "naive,sdpa", "--out_dir", str(out), "--wandb", "false", "--skip_steps", "0", "--",
                          str(REPO / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4", "--log_interval=1",
                          "--warmup_steps=1", "--eval_interval=2", "--eval_iters=1", "--sample_interval=0"])
@@ -261,3 +319,26 @@ def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
     assert b["sdpa"]["speedup_vs_naive"] > 0
     assert (out / "loss.png").exists() and (out / "naive" / "train.log").read_text()
     assert json.loads((out / "sdpa" / "run.json").read_text())["returncode"] == 0
+
+
+@pytest.mark.slow
+def test_compare_runs_named_variants_dense_window_and_moba(tmp_path):
+    data, out = toy_token_shards(tmp_path), tmp_path / "cmp"
+    # smoke_cpu.py: T=64, head dim 16; MoBA blocks of 32 (the interpreter's tile), its own block only
+    variants = ["dense:attn=sdpa", "window:attn=sdpa,window=8", "moba:attn=moba,moba_block=32,moba_topk=0"]
+    code = compare.main(["--variants", *variants, "--out_dir", str(out), "--wandb", "false", "--skip_steps", "0", "--",
+                         str(REPO / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4",
+                         "--n_layer=1", "--batch_size=2", "--log_interval=1", "--warmup_steps=1", "--eval_interval=2",
+                         "--eval_iters=1", "--sample_interval=0"])
+    assert code == 0
+    summary = json.loads((out / "comparison.json").read_text())
+    b = summary["backends"]
+    assert list(b) == ["dense", "window", "moba"] and summary["reference"] == "dense"
+    assert all(row["status"] == "ok" and row["last_step"] == 3 for row in b.values())
+    assert b["window"]["max_abs_train_diff"] > 1e-4 and b["moba"]["max_abs_train_diff"] > 1e-4  # not dense attention
+    assert "window=8, cpu" in (out / "window" / "train.log").read_text()
+    assert json.loads((out / "moba" / "run.json").read_text())["settings"]["attn"] == "moba"
+    assert (out / "loss.png").exists()
+    with pytest.raises(SystemExit, match="run 'bad': model: window=8 with attn='moba'"):  # checked before any run
+        compare.main(["--variants", "bad:attn=moba,window=8", "--out_dir", str(tmp_path / "bad"), "--", "--device=cpu"])
+    assert not (tmp_path / "bad").exists()
