@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
@@ -78,14 +79,14 @@ def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int 
     """The tiles worth timing for one call: its head-dim class's candidates that fit in shared
     memory for this dtype, in table order (2-4 of them, so first-call tuning stays short), and for a
     block-sparse call (§10) that divide the mask's blocks, which the kernels walk tile by tile.
-    NANOFLASH_AUTOTUNE=0 keeps only the first (no timing, e.g. for quick tests)."""
+    With NANOFLASH_AUTOTUNE=0 _launch takes the first that fits instead of timing them (quick tests)."""
     tiles = [INTERPRETER_TILES[kernel]] if INTERPRET else HOPPER_TILES[kernel][head_dim_class(block_d)]
     kept = [tile for tile in tiles if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET
             and (mask_block is None or mask_block % tile[0] == 0 and mask_block % tile[1] == 0)]
     if not kept:
         raise ValueError(f"a block mask with block_size={mask_block} is smaller than every {kernel} tile of the "
                          f"kernel for head_dim {block_d}; build the BlockMask with block_size=128")
-    return kept[:1] if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" else kept
+    return kept
 
 
 # tuning key -> fastest tile. The key holds the sequence lengths as power-of-two buckets, so a new
@@ -107,14 +108,37 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
                                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
+    def time_ms(tile) -> float:
+        # smem_bytes is an estimate: a kernel that stages more than it (MoBA's gathers, say) may not fit
+        try:
+            return triton.testing.do_bench(lambda: run(tile), warmup=5, rep=20, return_mode="median")
+        except OutOfResources:
+            return float("inf")
+
     key = (kernel, tuple(constants.items()), dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     tile = _best_tile.get(key)
     if tile is None:
         candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
-        tile = candidates[0] if len(candidates) == 1 else min(
-            candidates, key=lambda t: triton.testing.do_bench(lambda: run(t), warmup=5, rep=20, return_mode="median"))
+        if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" or INTERPRET:
+            _best_tile[key] = _first_that_fits(candidates, run)  # launched: this call is done
+            return
+        times = {tile: time_ms(tile) for tile in candidates}
+        tile = min(times, key=times.get)
         _best_tile[key] = tile
     run(tile)
+
+
+def _first_that_fits(candidates: list[tuple], run) -> tuple:
+    """Launch the first candidate tile that compiles within the GPU's shared memory (tuning off);
+    -> that tile. The last candidate's error, if it fails too, is the caller's."""
+    for tile in candidates[:-1]:
+        try:
+            run(tile)
+            return tile
+        except OutOfResources:
+            continue
+    run(candidates[-1])
+    return candidates[-1]
 
 
 # ---------------------------------------------------------------------------------------------

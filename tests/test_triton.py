@@ -239,8 +239,19 @@ def test_hopper_tile_pruning(kernel, dtype, head_dim, monkeypatch):
     for tile in kept:
         assert tile in triton_flash.HOPPER_TILES[kernel][triton_flash.head_dim_class(block_d)]
         assert triton_flash.smem_bytes(kernel, tile, block_d, dtype.itemsize) <= triton_flash.SMEM_BUDGET
-    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
-    assert triton_flash.candidate_tiles(kernel, block_d, dtype.itemsize) == kept[:1]
+
+
+def test_untuned_launch_takes_the_first_tile_that_fits():
+    # NANOFLASH_AUTOTUNE=0: no timing, but a tile the compiler rejects for shared memory is passed over
+    tried = []
+
+    def run(tile):
+        tried.append(tile)
+        if tile == "big":
+            raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
+
+    assert triton_flash._first_that_fits(["big", "small", "smaller"], run) == "small"
+    assert tried == ["big", "small"]
 
 
 def test_doc_and_kernel_point_at_each_other():
