@@ -16,7 +16,7 @@ from benchmarks.attention import Shape, pass_step
 from benchmarks.sparse import FAMILIES, GRIDS, MASKS, flex, ours, packed_document_ids
 
 
-def kernel_table(fn, shape: Shape, steps: int = 5) -> str:
+def kernel_table(fn, shape: Shape, steps: int = 5, host: bool = False) -> str:
     q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
@@ -24,7 +24,7 @@ def kernel_table(fn, shape: Shape, steps: int = 5) -> str:
     for _ in range(3):  # compile, tune, warm the allocator
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if host else [])]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -34,6 +34,10 @@ def kernel_table(fn, shape: Shape, steps: int = 5) -> str:
     lines = [f"{'us/call':>9} {'calls':>5}  kernel   (GPU total {total:.0f} us per fwd+bwd)"]
     for e in events[:14]:
         lines.append(f"{e.self_device_time_total / steps:9.0f} {e.count // steps:5d}  {e.key[:100]}")
+    if host:  # what the CPU spends its time on: launches, allocations, synchronisations
+        calls = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        lines.append(f"{'host us':>9} {'calls':>5}  operation")
+        lines += [f"{e.self_cpu_time_total / steps:9.0f} {e.count // steps:5d}  {e.key[:100]}" for e in calls[:12]]
     return "\n".join(lines)
 
 
@@ -43,13 +47,14 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--hs", type=int, default=128)
     p.add_argument("--flex", action="store_true", help="profile FlexAttention with the same mask too")
+    p.add_argument("--host", action="store_true", help="also list the host-side operations by CPU time")
     args = p.parse_args(argv)
     for key, value in (GRIDS["full"] | MASKS["gpu"]).items():
         setattr(args, key, value)
     args.backend = "triton"
     shape = Shape(max(1, args.tokens // args.T), args.width // args.hs, args.T, args.hs, causal=True, group="grid")
     ids = packed_document_ids(shape.B, shape.T, args.doc_lengths, 0, "cuda") if args.family == "documents" else None
-    print(f"{args.family} {shape}\n-- ours (triton)\n{kernel_table(ours(args.family, args, ids), shape)}")
+    print(f"{args.family} {shape}\n-- ours (triton)\n{kernel_table(ours(args.family, args, ids), shape, host=args.host)}")
     if args.flex:
         print(f"-- flex\n{kernel_table(flex(args.family, args, ids, shape, torch.device('cuda')), shape)}")
 
