@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands we run on the lent GPU machine (H200), one stage per call:
-#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|train|reuse [extra args for that stage]
+#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|tune|train|reuse [extra args for that stage]
 # Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
 # Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: env|tests|bench|sparse|train|reuse}; shift
+stage=${1:?stage: env|tests|bench|sparse|tune|train|reuse}; shift
 
 log() { tee -a "$OUT/$stage.log"; }
 
@@ -41,6 +41,9 @@ sparse)  # the sparse-attention benchmark (window, documents, MoBA vs dense and 
   python3 -m benchmarks.sparse_report "out/$dir" | log
   tar czf "$OUT/$dir.tgz" -C out "$dir"
   tail -30 "out/$dir/results.md" ;;
+tune)  # the dense kernels' tile and feature sweep against cuDNN (benchmarks/tune_kernels.py)
+  timeout "${TUNE_TIMEOUT:-420}" python3 -m benchmarks.tune_kernels --jobs 12 --out_dir out/tune "$@" 2>&1 | log
+  tar czf "$OUT/tune.tgz" -C out tune ;;
 train)  # tiny shakespeare prep, then the training comparison; args go to benchmarks.compare
   export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
   python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log

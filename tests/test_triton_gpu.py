@@ -3,10 +3,14 @@ float16 (which the CPU interpreter cannot check). Skipped without a GPU (see con
 
 Benchmarking every tile config for every new shape would take minutes, so these tests take each
 kernel's default config (NANOFLASH_AUTOTUNE=0); test_autotuned_choice_is_correct runs the tuner."""
+import contextlib
+
 import pytest
 import torch
+from test_triton import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
+                         deterministic_algorithms, qkv)
 
-from test_triton import assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64, qkv
+from attention import triton_flash
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +35,7 @@ def default_tiles(monkeypatch):
         (torch.float32, 64, True, 1, 4, 4, 512, 512),  # exact fp32 dots ("ieee")
         (torch.bfloat16, 128, True, 1, 2, 1, 16384, 16384),  # long context
         (torch.float16, 64, False, 1, 2, 2, 8200, 8200),  # long and ragged
+        (torch.bfloat16, 36, True, 2, 4, 4, 700, 700),  # 72-byte rows: no tensor descriptors, pointer loads
     ],
 )
 def test_matches_fp64(dtype, D, causal, B, Hq, Hkv, Tq, Tk):
@@ -44,6 +49,16 @@ def test_fused_qkv_views():
     qkv_proj = torch.randn(B, T, 3 * nh * hs, dtype=torch.bfloat16, device="cuda")
     q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
     assert_matches_fp64(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("tma_mode", ["auto", "0"])  # descriptor loads (Hopper) and pointer loads
+@pytest.mark.parametrize("deterministic", [False, True])  # fused backward (atomic dQ) and separate dQ kernel
+def test_load_paths_and_backwards_match_fp64(monkeypatch, tma_mode, deterministic):
+    monkeypatch.setattr(triton_flash, "TMA_MODE", tma_mode)
+    torch.manual_seed(0)
+    q, k, v = qkv(2, 8, 4, 1000, 1000, 128, torch.bfloat16, device="cuda")
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        assert_matches_fp64(q, k, v, causal=True)
 
 
 def test_backward_is_bitwise_deterministic():
