@@ -124,8 +124,9 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
 
     def run(tile):
         block_m, block_n, warps, stages = tile
-        jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
-                                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
+                                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                                      num_stages=stages)
 
     def time_ms(tile) -> float:
         # smem_bytes is an estimate: a kernel that stages more than it (MoBA's gathers, say) may not fit
@@ -144,10 +145,14 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         times = {tile: time_ms(tile) for tile in candidates}
         tile = min(times, key=times.get)
         _best_tile[key] = tile
-        if tuning_log is not None:
-            tuning_log.append(dict(kernel=kernel, constants=constants, Tq=Tq, Tk=Tk, times_ms=times))
         if before_launch is not None:
             before_launch()
+        if tuning_log is not None:  # with what the compiler made of the chosen tile
+            compiled = run(tile)
+            tuning_log.append(dict(kernel=kernel, constants=constants, Tq=Tq, Tk=Tk, times_ms=times,
+                                   registers=compiled.n_regs, spills=compiled.n_spills,
+                                   wgmma=compiled.asm["ptx"].count("wgmma.mma_async")))
+            return
     run(tile)
 
 
@@ -470,8 +475,11 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, start_m, q_pos, stride_q
         # §5 fused dQ: this tile's dQ += scale dS K, added in place into fp32 (the adds of the key
         # tiles' programs land in any order: float sums then differ from run to run in the last bits)
         dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * scale  # (M, D)
-        tl.atomic_add(DQ_ACC + q_pos[:, None] * HEAD_DIM + cols[None, :], dq,
-                      mask=(q_pos[:, None] < Tq) & (cols[None, :] < HEAD_DIM), sem="relaxed")
+        if isinstance(DQ_ACC, tl.tensor_descriptor):
+            DQ_ACC.atomic_add([start_m, 0], dq)  # one bulk reduction by the copy engine, summed in L2
+        else:
+            tl.atomic_add(DQ_ACC + q_pos[:, None] * HEAD_DIM + cols[None, :], dq,
+                          mask=(q_pos[:, None] < Tq) & (cols[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
@@ -516,8 +524,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
         LSEh = LSE + (b * H + h).to(tl.int64) * Tq
         DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
         DQh = DQ_ACC
-        if DQ_ACC is not None:
-            DQh = DQ_ACC + (b * H + h).to(tl.int64) * Tq * HEAD_DIM  # (B, H, Tq, HEAD_DIM) fp32
+        if DQ_ACC is not None:  # (B, H, Tq, HEAD_DIM) fp32
+            DQh = _head_rows(DQ_ACC, b, h, H * Tq * HEAD_DIM, Tq * HEAD_DIM, HEAD_DIM, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_n // MASK_BLOCK) * (2 + 2 * n_blocks)

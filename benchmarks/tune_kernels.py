@@ -34,7 +34,7 @@ SHAPES = [
     Shape(4, 16, 4096, 128, True, "grid"),
     Shape(1, 16, 16384, 128, False, "grid"),
 ]
-VARIANTS = {"ptr": ("0", False), "tma": ("auto", False), "tma+ws": ("auto", True)}  # name: (TMA_MODE, WS)
+VARIANTS = {"ptr": ("0", False), "tma": ("auto", False)}  # name: (TMA_MODE, WS)
 # wider than HOPPER_TILES: (BLOCK_M, BLOCK_N, num_warps, num_stages), by head dim
 SWEEP_TILES = {
     "fwd": {
@@ -85,7 +85,8 @@ def run_job(shape: Shape, variant: str) -> dict:
     for entry in triton_flash.tuning_log:
         times = {str(tile): t for tile, t in entry["times_ms"].items()}
         best = min(times, key=times.get)
-        kernels[entry["kernel"]] = dict(best=best, best_ms=times[best], times_ms=times)
+        kernels[entry["kernel"]] = dict(best=best, best_ms=times[best], times_ms=times,
+                                        **{k: entry[k] for k in ("registers", "spills", "wgmma")})
     return dict(shape=str(shape), variant=variant, passes_ms=passes, kernels=kernels,
                 tma_used=triton_flash._use_tma(q, k, v, o))
 
