@@ -26,7 +26,6 @@ from triton.runtime.errors import OutOfResources
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TMA_MODE = os.environ.get("NANOFLASH_TMA", "auto")  # §9 tensor descriptors: auto | 1 (force) | 0 (never)
-WARP_SPECIALIZE = os.environ.get("NANOFLASH_WARP_SPECIALIZE") == "1"
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
@@ -38,31 +37,25 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
 # ---------------------------------------------------------------------------------------------
 HOPPER_TILES = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+        64: [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 4)],
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
         256: [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 32, 4, 1)],
     },
     # dK/dV keeps two fp32 (BLOCK_N, D) accumulators: wide heads want more warps to hold them
     "dkdv": {
-        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
-        128: [(64, 64, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 2)],
-        256: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
-    },
-    # the fused backward's dK/dV kernel (§5): also a (BLOCK_M, D) dQ share per tile pair
-    "dkdv+dq": {
-        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
-        128: [(64, 128, 8, 2), (64, 64, 8, 3), (32, 128, 8, 3), (32, 64, 4, 2)],
+        64: [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+        128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 2)],
         256: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
     },
     "dq": {
         64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
-        128: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
+        128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
         256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
     },
 }
 # Under the interpreter there is nothing to tune: one small tile, unequal in M and N so the
 # CPU tests cover tiles that straddle the causal diagonal at different offsets.
-INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dkdv+dq": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
 # Hopper has 227 KiB of shared memory per block; leave room for Triton's own scratch buffers.
 SMEM_BUDGET = 200 * 1024
 
@@ -80,7 +73,6 @@ def smem_bytes(kernel: str, tile: tuple, block_d: int, elem_bytes: int) -> int:
         "fwd": (block_m, 2 * block_n),  # holds Q; streams K, V
         "dq": (2 * block_m, 2 * block_n),  # holds Q, dO; streams K, V
         "dkdv": (2 * block_n, 2 * block_m),  # holds K, V; streams Q, dO
-        "dkdv+dq": (2 * block_n, 2 * block_m),
     }[kernel]
     return (held + stages * streamed) * block_d * elem_bytes
 
@@ -107,53 +99,54 @@ tuning_log: list | None = None
 
 
 def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,
-            block: int | None = None, before_launch=None) -> None:
+            block: int | None = None, tma: tuple[bool, ...] | None = None) -> None:
     """Launch jit_fn with the fastest tile for this call's key, timing the candidates on first use (§9).
     args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists
     are cut in tiles, attention/triton_moba.py). block: a size the tiles must divide (§10, §11).
-    before_launch: run before the real launch when candidates were timed first (for a kernel that
-    adds into its output, the timing runs' sums must be cleared).
+    tma: the values of the kernel's TMA switch to time with every tile ((False,) where descriptors
+    cannot read the tensors); None for a kernel without the switch.
 
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
     GPT-2's shape on the H200 box (benchmarks/launch_overhead.py); here the key is a small tuple."""
-    if constants.get("TMA"):
+    if tma is not None and True in tma:
         # device-side tensor descriptors live in a scratch buffer the launch allocates; the setting is
-        # per thread (a context variable) and autograd runs the backward on its own thread
+        # per thread (a context variable), and autograd runs the backward on a thread of its own
         triton.set_allocator(_scratch_allocator)
 
-    def run(tile):
-        block_m, block_n, warps, stages = tile
+    def run(choice):
+        (block_m, block_n, warps, stages), use_tma = choice
+        switch = {} if use_tma is None else {"TMA": use_tma}
         return jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
-                                                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                                      **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                                                       num_stages=stages)
 
-    def time_ms(tile) -> float:
+    def time_ms(choice) -> float:
         # smem_bytes is an estimate: a kernel that stages more than it (MoBA's gathers, say) may not fit
         try:
-            return triton.testing.do_bench(lambda: run(tile), warmup=5, rep=20, return_mode="median")
+            return triton.testing.do_bench(lambda: run(choice), warmup=5, rep=20, return_mode="median")
         except OutOfResources:
             return float("inf")
 
-    key = (kernel, tuple(constants.items()), dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
-    tile = _best_tile.get(key)
-    if tile is None:
-        candidates = candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
+    key = (kernel, tuple(constants.items()), tma, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
+    choice = _best_tile.get(key)
+    if choice is None:
+        # descriptor loads first: with tuning off they are the ones taken, where the tensors allow them
+        candidates = [(tile, use_tma) for tile in candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
+                      for use_tma in (sorted(tma, reverse=True) if tma is not None else [None])]
         if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" or INTERPRET:
             _best_tile[key] = _first_that_fits(candidates, run)  # launched: this call is done
             return
-        times = {tile: time_ms(tile) for tile in candidates}
-        tile = min(times, key=times.get)
-        _best_tile[key] = tile
-        if before_launch is not None:
-            before_launch()
+        times = {choice: time_ms(choice) for choice in candidates}
+        choice = min(times, key=times.get)
+        _best_tile[key] = choice
         if tuning_log is not None:  # with what the compiler made of the chosen tile
-            compiled = run(tile)
+            compiled = run(choice)
             tuning_log.append(dict(kernel=kernel, constants=constants, Tq=Tq, Tk=Tk, times_ms=times,
                                    registers=compiled.n_regs, spills=compiled.n_spills,
                                    wgmma=compiled.asm["ptx"].count("wgmma.mma_async")))
             return
-    run(tile)
+    run(choice)
 
 
 def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
@@ -161,12 +154,12 @@ def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def _first_that_fits(candidates: list[tuple], run) -> tuple:
-    """Launch the first candidate tile that compiles within the GPU's shared memory (tuning off);
-    -> that tile. The last candidate's error, if it fails too, is the caller's."""
-    for tile in candidates[:-1]:
+    """Launch the first candidate that compiles within the GPU's shared memory (tuning off);
+    -> that candidate. The last candidate's error, if it fails too, is the caller's."""
+    for choice in candidates[:-1]:
         try:
-            run(tile)
-            return tile
+            run(choice)
+            return choice
         except OutOfResources:
             continue
     run(candidates[-1])
@@ -369,8 +362,8 @@ def _attn_fwd(Q, K, V, O, LSE,
               window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
     start_m = _query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -409,10 +402,9 @@ def _attn_fwd(Q, K, V, O, LSE,
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
-        # §6: the fully visible key tiles first, unmasked; then the few that need the mask.
-        # §9 warp specialization (Hopper): some warps only issue the tile copies, the others only compute
+        # §6: the fully visible key tiles first, unmasked; then the few that need the mask
         full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
-        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for start_n in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_end, end, BLOCK_N):
@@ -435,31 +427,13 @@ def _attn_fwd(Q, K, V, O, LSE,
 # with P recomputed tile by tile from the saved log-sum-exp.
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_delta(O, DO, DELTA,
-                    stride_ob, stride_oh, stride_ot, stride_od,
-                    stride_dob, stride_doh, stride_dot, stride_dod,
-                    H, Tq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """§5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i, one D-long dot product per row: the pre-pass
-    of the fused backward (the deterministic one computes it inside its dQ kernel instead)."""
-    q_pos = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    cols = tl.arange(0, BLOCK_D)
-    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), q_pos, Tq, stride_ot, cols, stride_od, HEAD_DIM, True)
-    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols, stride_dod,
-                    HEAD_DIM, True)
-    tl.store(DELTA + bh.to(tl.int64) * Tq + q_pos, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=q_pos < Tq)
-
-
-@triton.jit
-def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, start_m, q_pos, stride_qt, stride_qd, stride_dot, stride_dod,
-               cols, Tq, qk_scale, scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the query tile q_pos = start_m, start_m + 1, ... (M,) of one head into a key tile's dK, dV,
-    and with DQ_ACC (the fused backward) its share of dQ into that fp32 buffer. Computed transposed
-    (keys as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes.
-    visibleT: the (N, M) mask, or None for a tile that needs none."""
-    q = _load_tile(Q, start_m, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
-    do = _load_tile(DO, start_m, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
+def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq,
+               qk_scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the query tile q_pos (M,) of one head into a key tile's dK, dV. Computed transposed (keys
+    as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
+    (N, M) mask, or None for a tile that needs none."""
+    q = _load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
+    do = _load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
     # rows past Tq load lse = +inf, which makes their P (and so dS) exactly 0
     lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,), base 2
     delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
@@ -469,22 +443,13 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ_ACC, start_m, q_pos, stride_q
         pT = tl.where(visibleT, pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
-    dsT = (pT * (dpT - delta[None, :])).to(q.dtype)  # §5 softmax Jacobian: dS = P * (dP - Delta)  (N, M)
-    dk = tl.dot(dsT, q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
-    if DQ_ACC is not None:
-        # §5 fused dQ: this tile's dQ += scale dS K, added in place into fp32 (the adds of the key
-        # tiles' programs land in any order: float sums then differ from run to run in the last bits)
-        dq = tl.dot(tl.trans(dsT), k, input_precision=DOT_PRECISION) * scale  # (M, D)
-        if isinstance(DQ_ACC, tl.tensor_descriptor):
-            DQ_ACC.atomic_add([start_m, 0], dq)  # one bulk reduction by the copy engine, summed in L2
-        else:
-            tl.atomic_add(DQ_ACC + q_pos[:, None] * HEAD_DIM + cols[None, :], dq,
-                          mask=(q_pos[:, None] < Tq) & (cols[None, :] < HEAD_DIM), sem="relaxed")
+    dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
+def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_qb, stride_qh, stride_qt, stride_qd,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
@@ -496,8 +461,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
                    window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-                   MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-                   WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     H_kv = H // GROUP
@@ -507,10 +472,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
 
     k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
-    K = _head_rows(K, b, h_kv, stride_kb, stride_kh, stride_kt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    V = _head_rows(V, b, h_kv, stride_vb, stride_vh, stride_vt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    k = _load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, True)  # (N, D), on chip throughout
-    v = _load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, True)  # (N, D)
+    k = _load_rows(_head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, Tk, stride_kt, cols, stride_kd,
+                   HEAD_DIM, True)  # (N, D), on chip throughout
+    v = _load_rows(_head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, Tk, stride_vt, cols, stride_vd,
+                   HEAD_DIM, True)  # (N, D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
@@ -519,13 +484,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
     # one head after the other, so no two programs write the same dK/dV rows (no atomics)
     for g in range(GROUP):
         h = h_kv * GROUP + g
-        Qh = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qt, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
-        DOh = _head_rows(DO, b, h, stride_dob, stride_doh, stride_dot, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
+        Qh = _head_base(Q, b, h, stride_qb, stride_qh)
+        DOh = _head_base(DO, b, h, stride_dob, stride_doh)
         LSEh = LSE + (b * H + h).to(tl.int64) * Tq
         DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
-        DQh = DQ_ACC
-        if DQ_ACC is not None:  # (B, H, Tq, HEAD_DIM) fp32
-            DQh = _head_rows(DQ_ACC, b, h, H * Tq * HEAD_DIM, Tq * HEAD_DIM, HEAD_DIM, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_n // MASK_BLOCK) * (2 + 2 * n_blocks)
@@ -533,48 +495,45 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC,
             n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_M)
             for i in range(n_full):
                 start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, start_m + tl.arange(0, BLOCK_M),
-                                    stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, scale, None,
-                                    HEAD_DIM, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
             for i in range(n_full, n_listed):
                 start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = _visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
                                     tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, q_pos, stride_qt, stride_qd,
-                                    stride_dot, stride_dod, cols, Tq, qk_scale, scale, visibleT, HEAD_DIM, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
         else:
             # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one masked
             lo, diag_end, full_end = _query_ranges(start_n, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
             for start_m in range(lo, diag_end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, q_pos, stride_qt, stride_qd,
-                                    stride_dot, stride_dod, cols, Tq, qk_scale, scale, visibleT, HEAD_DIM, DOT_PRECISION)
-            for start_m in tl.range(diag_end, full_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, start_m + tl.arange(0, BLOCK_M),
-                                    stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, scale, None,
-                                    HEAD_DIM, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+            for start_m in range(diag_end, full_end, BLOCK_M):
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
             for start_m in range(full_end, Tq, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, start_m, q_pos, stride_qt, stride_qd,
-                                    stride_dot, stride_dod, cols, Tq, qk_scale, scale, visibleT, HEAD_DIM, DOT_PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
 
-    DK = _head_rows(DK, b, h_kv, stride_dkb, stride_dkh, stride_dkt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    DV = _head_rows(DV, b, h_kv, stride_dvb, stride_dvh, stride_dvt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    _store_tile(DK, dk * scale, start_n, k_pos, Tk, stride_dkt, cols, stride_dkd, HEAD_DIM)  # dS was w.r.t. scale * QK^T
-    _store_tile(DV, dv, start_n, k_pos, Tk, stride_dvt, cols, stride_dvd, HEAD_DIM)
+    DK = _head_base(DK, b, h_kv, stride_dkb, stride_dkh)
+    DV = _head_base(DV, b, h_kv, stride_dvb, stride_dvh)
+    _store_rows(DK, dk * scale, k_pos, Tk, stride_dkt, cols, stride_dkd, HEAD_DIM)  # dS was w.r.t. scale * QK^T
+    _store_rows(DV, dv, k_pos, Tk, stride_dvt, cols, stride_dvd, HEAD_DIM)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk,
-             qk_scale, visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the key tile k_pos = start_n, start_n + 1, ... (N,) into one query tile's dQ; visible as in
-    _fwd_tile."""
-    k = _load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
-    v = _load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+def _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
+             visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Add the key tile k_pos (N,) into one query tile's dQ; visible as in _fwd_tile."""
+    k = _load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
+    v = _load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
     if visible is not None:
         p = tl.where(visible, p, 0.0)
@@ -596,13 +555,12 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-                 MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-                 WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = _query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    K = _head_rows(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)  # §7
-    V = _head_rows(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+    K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
+    V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
     if DOCS:
         DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
@@ -629,7 +587,7 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
         n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
         for i in range(n_full):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for i in range(n_full, n_listed):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -637,18 +595,18 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
                                tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
-                          cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
         full_end, end = _key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)  # §6, as in the forward
-        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+        for start_n in range(0, full_end, BLOCK_N):
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = _causal_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL)
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
-                          cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     DQ = _head_base(DQ, b, h, stride_dqb, stride_dqh)
     _store_rows(DQ, dq * scale, q_pos, Tq, stride_dqt, cols, stride_dqd, HEAD_DIM)
 
@@ -662,7 +620,7 @@ def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tens
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs", tma: bool) -> dict:
+def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
@@ -676,8 +634,6 @@ def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs", tma: bool) -> di
         DOCS=mask.document_ids is not None,
         BITS=mask.tile_bits is not None,
         MASK_BLOCK=mask.block_size,
-        TMA=tma,
-        WARP_SPECIALIZE=WARP_SPECIALIZE,
     )
 
 
@@ -739,50 +695,32 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
             *_mask_args(mask, mask.kv_blocks, Tk))
-    _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-            args, _constants(q, causal, mask, _use_tma(q, k, v, o)), Tq, Tk, q.dtype, _tiles_divide(mask))
+    # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run
+    _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
+            _constants(q, causal, mask), Tq, Tk, q.dtype, _tiles_divide(mask),
+            tma=(False, True) if _use_tma(q, k, v, o) else (False,))
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
-             deterministic: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, shaped like q, k, v.
-
-    deterministic (None: torch.are_deterministic_algorithms_enabled()): False runs the fused backward,
-    one dK/dV kernel that also adds each tile's dQ share into an fp32 buffer with atomics (5 matmuls
-    per tile pair; dQ's last bits vary from run to run). True runs a separate dQ kernel first (7
-    matmuls per tile pair; every gradient bit-identical from run to run). §5 derives both."""
+def backward(do, q, k, v, o, lse, causal: bool, scale: float,
+             mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv, shaped like q, k, v."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq = empty_bthd(B, Hq, Tq, D, q)
     dk = empty_bthd(B, Hkv, Tk, D, k)
     dv = empty_bthd(B, Hkv, Tk, D, v)
     delta = torch.empty_like(lse)
+    constants = _constants(q, causal, mask)
     seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
-    kv_grid = lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv)  # noqa: E731
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
 
-    if deterministic:
-        # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
-        constants = _constants(q, causal, mask, _use_tma(q, k, v, dk, dv, do))
-        _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-                (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                 *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype,
-                _tiles_divide(mask))
-        _launch("dkdv", _attn_bwd_dkdv, kv_grid,
-                (q, k, v, do, dk, dv, lse, delta, None, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dk.stride(), *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk,
-                q.dtype, _tiles_divide(mask))
-        return dq, dk, dv
-
-    block_m = INTERPRETER_TILES["dq"][0] if INTERPRET else 64
-    _attn_bwd_delta[(triton.cdiv(Tq, block_m), B * Hq)](o, do, delta, *o.stride(), *do.stride(), Hq, Tq,
-                                                        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m)
-    dq_acc = torch.zeros(B, Hq, Tq, D, dtype=torch.float32, device=q.device)
-    _launch("dkdv+dq", _attn_bwd_dkdv, kv_grid,
-            (q, k, v, do, dk, dv, lse, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-             *dk.stride(), *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)),
-            _constants(q, causal, mask, _use_tma(q, k, v, dk, dv, do)), Tq, Tk, q.dtype, _tiles_divide(mask),
-            before_launch=dq_acc.zero_)
-    return dq.copy_(dq_acc), dk, dv
+    # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
+    _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+            (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+             *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype,
+            _tiles_divide(mask))
+    _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
+            (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+             *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype,
+            _tiles_divide(mask))
+    return dq, dk, dv

@@ -182,11 +182,11 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
         for start_n in range(start, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
-                          cols, T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
         for start_n in range(start, end, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
     out_rows = bh.to(tl.int64) * T * S + entry
     tl.store(DQ_PART + out_rows[:, None] * BLOCK_D + cols[None, :], dq * scale, mask=valid[:, None])
@@ -233,8 +233,8 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
             dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
                                        cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
         for rows in range(causal_end, full_end, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, None, rows, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1,
-                                HEAD_DIM, 1, cols, count, qk_scale, scale, None, HEAD_DIM, DOT_PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1, HEAD_DIM, 1,
+                                cols, count, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for rows in range(full_end, count, BLOCK_M):
             dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
                                        cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
@@ -254,8 +254,8 @@ def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ENTRIES, rows, cou
     valid = listed < count
     q_pos = tl.load(ENTRIES + listed, mask=valid, other=0) // S  # (M,) the entries' queries
     visibleT = (k_pos[:, None] <= q_pos[None, :]) & (k_pos[:, None] < T) & valid[None, :]  # (N, M)
-    return _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, None, rows, listed, HEAD_DIM, 1, HEAD_DIM, 1, cols, count,
-                      qk_scale, 1.0, visibleT, HEAD_DIM, DOT_PRECISION)
+    return _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, listed, HEAD_DIM, 1, HEAD_DIM, 1, cols, count, qk_scale,
+                      visibleT, HEAD_DIM, DOT_PRECISION)
 
 
 @triton.jit

@@ -42,7 +42,7 @@ sparse)  # the sparse-attention benchmark (window, documents, MoBA vs dense and 
   tar czf "$OUT/$dir.tgz" -C out "$dir"
   tail -30 "out/$dir/results.md" ;;
 tune)  # the dense kernels' tile and feature sweep against cuDNN (benchmarks/tune_kernels.py)
-  timeout "${TUNE_TIMEOUT:-420}" python3 -m benchmarks.tune_kernels --jobs 12 --out_dir out/tune "$@" 2>&1 | log
+  timeout "${TUNE_TIMEOUT:-420}" python3 -m benchmarks.tune_kernels --jobs 4 --out_dir out/tune "$@" 2>&1 | log
   tar czf "$OUT/tune.tgz" -C out tune ;;
 train)  # tiny shakespeare prep, then the training comparison; args go to benchmarks.compare
   export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache

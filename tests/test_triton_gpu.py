@@ -3,12 +3,10 @@ float16 (which the CPU interpreter cannot check). Skipped without a GPU (see con
 
 Benchmarking every tile config for every new shape would take minutes, so these tests take each
 kernel's default config (NANOFLASH_AUTOTUNE=0); test_autotuned_choice_is_correct runs the tuner."""
-import contextlib
-
 import pytest
 import torch
-from test_triton import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
-                         deterministic_algorithms, qkv)
+
+from test_triton import assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64, qkv
 
 from attention import triton_flash
 
@@ -51,14 +49,11 @@ def test_fused_qkv_views():
     assert_matches_fp64(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("tma_mode", ["auto", "0"])  # descriptor loads (Hopper) and pointer loads
-@pytest.mark.parametrize("deterministic", [False, True])  # fused backward (atomic dQ) and separate dQ kernel
-def test_load_paths_and_backwards_match_fp64(monkeypatch, tma_mode, deterministic):
+@pytest.mark.parametrize("tma_mode", ["auto", "0"])  # the forward's descriptor loads (Hopper), pointer loads
+def test_load_paths_match_fp64(monkeypatch, tma_mode):
     monkeypatch.setattr(triton_flash, "TMA_MODE", tma_mode)
     torch.manual_seed(0)
-    q, k, v = qkv(2, 8, 4, 1000, 1000, 128, torch.bfloat16, device="cuda")
-    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
-        assert_matches_fp64(q, k, v, causal=True)
+    assert_matches_fp64(*qkv(2, 8, 4, 1000, 1000, 128, torch.bfloat16, device="cuda"), causal=True)
 
 
 def test_backward_is_bitwise_deterministic():
