@@ -25,7 +25,8 @@ from triton.runtime.errors import OutOfResources
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-TMA_MODE = os.environ.get("NANOFLASH_TMA", "auto")  # §9 tensor descriptors: auto | 1 (force) | 0 (never)
+# §9 tensor-descriptor (TMA) loads in the forward: opt-in (docs/perf_notes.md has what they cost and gain)
+TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
@@ -643,11 +644,11 @@ def _hopper_or_newer(device: torch.device) -> bool:
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
-    """§9: load tiles through tensor descriptors (TMA) when the GPU has the copy engine (Hopper and
-    newer; NANOFLASH_TMA=1 forces descriptors, also in the interpreter for the CPU tests, =0 never) and
+    """§9: with NANOFLASH_TMA=1, the forward may load tiles through tensor descriptors (TMA) where the
+    GPU has the copy engine (Hopper and newer; the interpreter runs them too, for the CPU tests) and
     every tensor fits its rules: unit stride along the head dim, every other stride and the start
     16-byte aligned. Other layouts take the pointer loads, which read any strides."""
-    if TMA_MODE == "0" or (TMA_MODE != "1" and (INTERPRET or not _hopper_or_newer(tensors[0].device))):
+    if TMA_MODE != "1" or not (INTERPRET or _hopper_or_newer(tensors[0].device)):
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)

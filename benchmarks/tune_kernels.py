@@ -63,6 +63,7 @@ def time_ms(fn) -> float:
 def run_job(shape: Shape) -> dict:
     """Tune every kernel of one shape, then time the passes with the chosen tiles."""
     triton_flash.HOPPER_TILES = SWEEP_TILES
+    triton_flash.TMA_MODE = "1"  # the forward's candidates with and without descriptor loads
     triton_flash.tuning_log = []
     triton_flash._best_tile.clear()
     q, k, v, do = inputs(shape)
