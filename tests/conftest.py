@@ -16,3 +16,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def default_tiles(monkeypatch):
+    """Each kernel launches its first tile that fits (NANOFLASH_AUTOTUNE=0): timing every candidate
+    for every new shape would make the GPU tests take minutes. Modules opt in with usefixtures."""
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")

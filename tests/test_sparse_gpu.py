@@ -7,12 +7,7 @@ from test_triton import assert_matches_fp64, qkv
 
 from attention import BlockMask, attention
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def default_tiles(monkeypatch):
-    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("default_tiles")]  # conftest.py
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,7 @@ from test_triton import assert_bitwise_deterministic, assert_compiled_matches_ea
 
 from attention import triton_flash
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def default_tiles(monkeypatch):
-    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("default_tiles")]  # conftest.py
 
 
 @pytest.mark.parametrize(
