@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import attention, available_backends
+from attention import attention, attention_qkvpacked, available_backends
 from attention.decode import decode_attention
 from attention.moba import moba_attention
 
@@ -228,29 +228,36 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, kv_cache: KVCache | None = None):
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hs). Left as strided views on purpose: the Triton kernel reads
-        # them in place, and a .contiguous() here would cost three copies per layer.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if self.backend == "moba":  # never with a cache: GPT.forward refuses one
-            y = moba_attention(q, k, v, self.moba_block, self.moba_topk, backend="triton")  # (B, nh, T, hs)
-        elif kv_cache is not None and kv_cache.step_pos is not None:
-            # a static decode step (see KVCache): T = 1, the whole buffer, the valid length on the device
-            kv_cache.write_step(k, v)
-            y = decode_attention(q, kv_cache.k, kv_cache.v, kv_cache.step_len, backend=self.backend)  # (B, nh, 1, hs)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
+        window = (self.window, 0) if self.window else None
+        if kv_cache is None and self.backend != "moba":
+            # packed: the triton backend's backward then returns qkv's gradient as one tensor, where three
+            # gradients of q, k, v would cost a concatenation per layer (see attention_qkvpacked)
+            y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window)  # (B, nh, T, hs)
         else:
-            if kv_cache is not None:
-                k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
-                if self.window:
-                    # the first of the T queries reads back `window` keys, so older ones would all be
-                    # masked out; dropping them also keeps Tk, and so the cached BlockMask, the same each step
-                    k, v = k[:, :, -(T + self.window):], v[:, :, -(T + self.window):]
-            # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
-            # position Tk - T + i and sees every cached key (within the window) plus the new ones up to itself.
-            window = (self.window, 0) if self.window else None
-            y = attention(q, k, v, causal=True, backend=self.backend, window=window)  # (B, nh, T, hs)
+            y = self._attend_views(qkv, kv_cache, window)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
+
+    def _attend_views(self, qkv, kv_cache: KVCache | None, window) -> torch.Tensor:
+        """MoBA and KV-cache attention, on q, k, v as (B, nh, T, hs) views of qkv. Left strided on purpose:
+        the Triton kernels read them in place, and a .contiguous() would cost three copies per layer."""
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        if self.backend == "moba":  # never with a cache: GPT.forward refuses one
+            return moba_attention(q, k, v, self.moba_block, self.moba_topk, backend="triton")
+        if kv_cache.step_pos is not None:
+            # a static decode step (see KVCache): T = 1, the whole buffer, the valid length on the device
+            kv_cache.write_step(k, v)
+            return decode_attention(q, kv_cache.k, kv_cache.v, kv_cache.step_len, backend=self.backend)
+        T = q.shape[2]
+        k, v = kv_cache.extend(k, v)  # (B, nh, Tk, hs): the cached positions, then these T
+        if self.window:
+            # the first of the T queries reads back `window` keys, so older ones would all be
+            # masked out; dropping them also keeps Tk, and so the cached BlockMask, the same each step
+            k, v = k[:, :, -(T + self.window):], v[:, :, -(T + self.window):]
+        # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
+        # position Tk - T + i and sees every cached key (within the window) plus the new ones up to itself.
+        return attention(q, k, v, causal=True, backend=self.backend, window=window)
 
 
 class MLP(nn.Module):

@@ -11,12 +11,12 @@ from .sdpa import sdpa_attention
 from .validate import check_qkv
 
 
-def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
+def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None):
     # Imported on first use: Triton decides at import time whether its kernels run compiled on the
     # GPU or in the CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
     from .triton_op import triton_attention
 
-    return triton_attention(q, k, v, causal, scale, mask=mask)
+    return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv)
 
 
 def _with_dense_mask(fn: Callable) -> Callable:
@@ -37,6 +37,8 @@ _BACKENDS: dict[str, Callable] = {
     "triton": _triton_attention,
 }
 _SUPPORTS_MASKS = {"naive", "compile", "sdpa", "triton"}
+# backends that also take qkv=, the packed tensor q, k, v are views of (attention_qkvpacked)
+_TAKES_PACKED = {"triton"}
 # (Tq, Tk, causal, window, device) -> BlockMask: a model passes the same window to every layer
 _rule_masks: dict[tuple, BlockMask] = {}
 
@@ -89,7 +91,37 @@ def attention(
     block_mask: an attention.BlockMask (from a mask function or a block layout), built once and
         reused across layers and calls.
     """
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask)
+
+
+def attention_qkvpacked(
+    qkv: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+    backend: str = "sdpa",
+    *,
+    window: tuple[int, int] | None = None,
+    document_ids: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
+) -> torch.Tensor:
+    """attention() on q, k, v packed in one (B, T, 3, nh, hs) tensor: a fused qkv projection's (B, T, 3C)
+    output viewed as .view(B, T, 3, nh, C // nh), the layout FlashAttention's qkvpacked functions take.
+    Returns (B, nh, T, hs) like attention(). The triton backend then returns the gradient of qkv as one
+    tensor from its backward; given q, k, v as three views, autograd concatenates three gradients into it,
+    a copy of qkv's size per call (the other backends still do that)."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must be (batch, seq_len, 3, heads, head_dim), got {shape}; view a fused projection's "
+                         "(B, T, 3 * C) output with .view(B, T, 3, n_head, C // n_head)")
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, nh, T, hs) views
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask,
+                      qkv if backend in _TAKES_PACKED else None)
+
+
+def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, qkv=None):
+    """attention(); qkv: the packed tensor q, k, v are views of, for a backend in _TAKES_PACKED."""
     fn = get_backend(backend)
+    packed = {} if qkv is None else {"qkv": qkv}
     check_qkv(q, k, v, scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -99,12 +131,12 @@ def attention(
             # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
             # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
             causal = False
-        return fn(q, k, v, causal=causal, scale=float(scale))
+        return fn(q, k, v, causal=causal, scale=float(scale), **packed)
     if backend not in _SUPPORTS_MASKS:
         raise ValueError(f"backend {backend!r} does not support window / document_ids / block_mask; "
                          f"use one of: {', '.join(sorted(_SUPPORTS_MASKS))}")
     mask = _sparse_mask(q, k, causal, window, document_ids, block_mask)
-    return fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask)
+    return fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask, **packed)
 
 
 def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:

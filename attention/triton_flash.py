@@ -703,14 +703,13 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal: bool, scale: float,
-             mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, shaped like q, k, v."""
+def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
+             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
+    one packed gradient, see triton_op.py), by default new ones."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    dq = empty_bthd(B, Hq, Tq, D, q)
-    dk = empty_bthd(B, Hkv, Tk, D, k)
-    dv = empty_bthd(B, Hkv, Tk, D, v)
+    dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
     delta = torch.empty_like(lse)
     constants = _constants(q, causal, mask)
     seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)

@@ -9,6 +9,10 @@ graph break; FlashAttentionFunction wires the backward op to the forward for aut
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
 same ops as optional arguments (triton_flash.MaskArgs): custom ops take tensors and numbers only.
+
+q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
+take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
+three gradients into one tensor of that shape.
 """
 import torch
 
@@ -69,6 +73,34 @@ def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
+def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3, H, D) -> q, k, v (B, H, T, D), views of it."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
+@torch.library.custom_op("nanoflash::flash_attn_bwd_qkvpacked", mutates_args=())
+def flash_attn_bwd_qkvpacked(
+    do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
+    window_left: int = -1, window_right: int = -1, block_size: int = 16,
+) -> torch.Tensor:
+    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
+    return _packed_backward(do, qkv, o, lse, causal, scale, mask)
+
+
+@flash_attn_bwd_qkvpacked.register_fake
+def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
+    return qkv.new_empty(qkv.shape)
+
+
+def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_flash.MaskArgs) -> torch.Tensor:
+    """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
+    dqkv = qkv.new_empty(qkv.shape)
+    triton_flash.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
+    return dqkv
+
+
 def _fwd(q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
     # Under torch.compile the custom op keeps the kernel one opaque node with a fake impl. In eager
     # mode the launcher is called directly: a custom op call passes through ~8 Python frames
@@ -102,6 +134,31 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask)
         return dq, dk, dv, None, None, None
+
+
+class PackedFlashAttentionFunction(torch.autograd.Function):
+    """FlashAttentionFunction for q, k, v packed in one (B, T, 3, H, D) tensor. Given three views, autograd
+    would concatenate their three gradients into the gradient of the tensor they view (a copy of its
+    size per call: ~0.5 ms per GPT-2 training step on the H200, see docs/perf_notes.md); this backward
+    writes them into one (B, T, 3, H, D) gradient directly."""
+
+    @staticmethod
+    def forward(ctx, qkv, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+        o, lse = _fwd(*unpack_qkv(qkv), causal, scale, mask)
+        ctx.save_for_backward(qkv, o, lse)
+        ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        qkv, o, lse = ctx.saved_tensors
+        if torch.compiler.is_compiling():  # as in _fwd
+            dqkv = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *_flat(ctx.mask))
+        else:
+            dqkv = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask)
+        return dqkv, None, None, None
 
 
 def _kernel_mask(mask) -> triton_flash.MaskArgs:
@@ -158,9 +215,14 @@ def flash_attention(
     return triton_attention(q, k, v, causal, float(scale), return_lse)
 
 
-def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None):
+def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None):
     """flash_attention for inputs that already passed check_qkv (the registry checks them once).
-    mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule)."""
+    mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule).
+    qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
+    gradient comes out of the backward as one tensor)."""
     _check_kernel_support(q)
-    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, _kernel_mask(mask))
+    if qkv is not None:
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, _kernel_mask(mask))
+    else:
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, _kernel_mask(mask))
     return (out, lse) if return_lse else out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands we run on the lent GPU machine (H200), one stage per call:
-#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|tune|train|reuse [extra args for that stage]
+#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|tune|train|step|reuse [extra args for that stage]
 # Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
 # Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: env|tests|bench|sparse|tune|train|reuse}; shift
+stage=${1:?stage: env|tests|bench|sparse|tune|train|step|reuse}; shift
 
 log() { tee -a "$OUT/$stage.log"; }
 
@@ -51,6 +51,11 @@ train)  # tiny shakespeare prep, then the training comparison; args go to benchm
     | grep -v "it/s]" | log
   tar czf "$OUT/compare.tgz" --exclude=ckpt.pt -C out compare
   cat out/compare/comparison.md ;;
+step)  # GPT-2 training steps per attention backend, timed side by side in one process; args go to benchmarks.train_step
+  export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
+  [ -d data/shakespeare ] || python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log
+  timeout "${STEP_TIMEOUT:-420}" python3 -m benchmarks.train_step configs/shakespeare.py --out_dir out/step "$@" 2>&1 | log
+  tar czf "$OUT/step.tgz" -C out step ;;
 reuse)  # the Llama-style example per backend (same seed and steps), then decoding with vs without the KV cache
   export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
   [ -d data/shakespeare ] || python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt 2>&1 | log

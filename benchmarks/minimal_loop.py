@@ -11,6 +11,7 @@ rest (logging, eval, checkpoints) it ignores. No GradScaler: time it in bf16 or 
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -25,10 +26,9 @@ from training.config import ConfigError, parse_args
 from training.distributed import World
 
 
-def main(argv: list[str]) -> float:
-    """Runs max_steps steps and returns the median ms/step of those after the warm-up steps."""
-    cfg = parse_args([*argv, "--wandb=false"])  # this loop logs nothing
-    world = World()  # a single process
+def make_step(cfg, world: World) -> tuple[Callable[[], None], torch.device, torch.dtype]:
+    """-> (step, device, dtype): step() runs one training step (forward and backward over the
+    gradient-accumulation micro-batches, clip, AdamW) of a model built from cfg, without syncing."""
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
@@ -42,11 +42,7 @@ def main(argv: list[str]) -> float:
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)
 
-    step_ms = []
-    for _ in range(cfg.max_steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         for _ in range(grad_accum):
             x, y = loader.next_batch()
@@ -55,13 +51,33 @@ def main(argv: list[str]) -> float:
             (loss / grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
         optimizer.step()
+
+    return step, device, dtype
+
+
+def timed_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
+    """ms of each of n steps, each timed from a synced GPU to a synced GPU."""
+    times = []
+    for _ in range(n):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        step_ms.append(1000 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
 
+
+def main(argv: list[str]) -> float:
+    """Runs max_steps steps and returns the median ms/step of those after the warm-up steps."""
+    cfg = parse_args([*argv, "--wandb=false"])  # this loop logs nothing
+    world = World()  # a single process
+    step, device, dtype = make_step(cfg, world)
+    step_ms = timed_steps(step, device, cfg.max_steps)
     timed = step_ms[TIMING_WARMUP_STEPS:] or step_ms  # the same warm-up steps train.py flags
     median_ms = statistics.median(timed)
-    tokens = cfg.batch_size * cfg.block_size * grad_accum
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size)
     print(f"minimal loop, attn={cfg.attn}, B={cfg.batch_size}, T={cfg.block_size}, {device}, {dtype}: "
           f"median {median_ms:.1f} ms/step, {tokens / median_ms * 1000:,.0f} tok/s over {len(timed)} steps")
     return median_ms

@@ -111,23 +111,26 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="out/tune")
     p.add_argument("--jobs", type=int, default=1, help="> 1: compile every shape in its own process first")
-    p.add_argument("--part", type=int, default=None, help="(internal) compile only shape number PART")
+    p.add_argument("--head_dims", default="64,128", help="comma-separated: only the shapes with these head dims")
+    p.add_argument("--part", type=int, default=None, help="(internal) compile only shape number PART of those kept")
     args = p.parse_args(argv)
+    shapes = [shape for shape in SHAPES if shape.hs in [int(d) for d in args.head_dims.split(",")]]
     if args.part is not None:  # a compile worker: its timings are thrown away
-        run_job(SHAPES[args.part])
+        run_job(shapes[args.part])
         return
     if args.jobs > 1:
-        for i, worker in enumerate([subprocess.Popen([sys.executable, "-m", "benchmarks.tune_kernels", "--part", str(i)],
+        for i, worker in enumerate([subprocess.Popen([sys.executable, "-m", "benchmarks.tune_kernels", "--part", str(i),
+                                                      "--head_dims", args.head_dims],
                                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                                    for i in range(len(SHAPES))]):
+                                    for i in range(len(shapes))]):
             err = worker.communicate()[1].decode()
             if worker.returncode:
                 print(f"compile worker {i} failed:\n{err[-1500:]}", flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cudnn = {str(s): cudnn_ms(s) for s in SHAPES}
+    cudnn = {str(s): cudnn_ms(s) for s in shapes}
     results = []
-    for shape in SHAPES:
+    for shape in shapes:
         results.append(run_job(shape))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels"}), flush=True)
         write_json(out / "results.json", dict(environment=environment(torch.device("cuda")), cudnn_ms=cudnn,

@@ -204,6 +204,32 @@ def test_minimal_loop_runs_train_py_settings(data_dir, capsys):
     assert "minimal loop, attn=sdpa, B=4, T=16, cpu" in capsys.readouterr().out
 
 
+def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path):
+    from benchmarks import train_step
+
+    settings = {k: v for k, v in TINY.items() if k != "attn"}
+    results = train_step.main(["--backends=naive,sdpa", "--warmup=1", "--rounds=2", "--steps=2", "--profile_steps=1",
+                               f"--out_dir={tmp_path}", *cli_flags(**settings, data_dir=data_dir)])
+    for name in ("naive", "sdpa"):
+        r = results["backends"][name]
+        assert len(r["step_ms"]) == 4 and r["median_ms"] > 0  # 2 rounds x 2 steps
+        assert r["profile"]["kernels_ms"] == 0  # no GPU: the profiler saw no kernels
+    assert "| naive |" in (tmp_path / "results.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["tokens_per_step"] == 4 * 16
+
+
+@pytest.mark.parametrize("name, category", [
+    ("_attn_bwd_dkdv", "attention"), ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "matmul"), ("triton_per_fused_native_layer_norm_0", "other"),
+])
+def test_train_step_sorts_kernels_by_name(name, category):
+    from benchmarks.train_step import kernel_category
+
+    assert kernel_category(name) == category
+
+
 @pytest.mark.parametrize("gpu_name, peak", [
     ("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12), ("NVIDIA A10G", 70e12),

@@ -8,8 +8,8 @@ import pytest
 import torch
 import triton
 
-from attention import attention, causal_mask, triton_flash
-from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_fwd
+from attention import attention, attention_qkvpacked, causal_mask, triton_flash
+from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +95,58 @@ def test_fused_qkv_views():
     q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
     assert not q.is_contiguous()
     assert_matches_fp64(q, k, v, causal=True)
+
+
+def assert_qkvpacked_matches_fp64(qkv_packed, **sparse):
+    """attention_qkvpacked on the triton backend: output and the gradient of qkv against float64, judged by
+    math attention in the same dtype as assert_matches_fp64 does; -> (out, dqkv) for further checks."""
+    do = torch.randn(qkv_packed.shape[0], qkv_packed.shape[3], qkv_packed.shape[1], qkv_packed.shape[4],
+                     dtype=qkv_packed.dtype, device=qkv_packed.device)  # (B, nh, T, hs)
+
+    def run(packed, backend):
+        packed = packed.detach().requires_grad_()
+        out = attention_qkvpacked(packed, backend=backend, **sparse)
+        return out, *torch.autograd.grad(out, packed, do.to(packed.dtype))
+
+    exact, math, ours = run(qkv_packed.double(), "naive"), run(qkv_packed, "naive"), run(qkv_packed, "triton")
+    for name, ref, theirs, mine in zip(("out", "dqkv"), exact, math, ours):
+        assert mine.shape == ref.shape and mine.dtype == qkv_packed.dtype, name
+        err_math = (theirs.double() - ref).abs().max().item()
+        err_ours = (mine.double() - ref).abs().max().item()
+        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
+    return ours
+
+
+@pytest.mark.parametrize("dtype, window", [(torch.float16, None), (torch.float32, None), (torch.float32, (8, 0))])
+def test_qkvpacked_matches_fp64_and_the_unpacked_call(dtype, window):
+    torch.manual_seed(0)
+    B, T, nh, hs = 2, 37, 2, 24
+    qkv_packed = torch.randn(B, T, 3, nh, hs, dtype=dtype)  # a fused projection's output, viewed per head
+    out, dqkv = assert_qkvpacked_matches_fp64(qkv_packed, window=window)
+    # the same kernels as three views through attention(): the same numbers, bit for bit
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in qkv_packed.unbind(2))
+    out_views = attention(q, k, v, backend="triton", window=window)
+    grads = torch.autograd.grad(out_views, (q, k, v), torch.ones_like(out_views))
+    assert torch.equal(out, out_views)
+    packed = qkv_packed.detach().requires_grad_()
+    dqkv_ones, = torch.autograd.grad(attention_qkvpacked(packed, backend="triton", window=window), packed,
+                                     torch.ones_like(out))
+    assert torch.equal(dqkv_ones, torch.stack([g.transpose(1, 2) for g in grads], dim=2))
+
+
+def test_qkvpacked_gradient_is_one_tensor():
+    # the backward hands qkv its gradient directly: no unbind (whose backward concatenates) in between
+    qkv_packed = torch.randn(1, 20, 3, 2, 16).requires_grad_()
+    out = attention_qkvpacked(qkv_packed, backend="triton")
+    assert [type(fn).__name__ for fn, _ in out.grad_fn.next_functions] == ["AccumulateGrad"]
+    out_naive = attention_qkvpacked(qkv_packed, backend="naive")  # the others take views: autograd concatenates
+    assert "AccumulateGrad" not in [type(fn).__name__ for fn, _ in out_naive.grad_fn.next_functions]
+
+
+def test_qkvpacked_shape_error():
+    with pytest.raises(ValueError, match=r"qkv must be \(batch, seq_len, 3, heads, head_dim\), got \(1, 20, 48\)"
+                                         r".*view\(B, T, 3, n_head, C // n_head\)"):
+        attention_qkvpacked(torch.randn(1, 20, 48), backend="triton")
 
 
 def test_transposed_views_and_output_layout():
@@ -219,18 +271,25 @@ def test_ops_pass_opcheck():
     out, lse = flash_attn_fwd(q, k, v, True, 0.25)
     do = torch.randn_like(out)
     torch.library.opcheck(flash_attn_bwd, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.25))
+    qkv_packed = torch.randn(2, 20, 3, 2, 16)
+    out, lse = flash_attn_fwd(*(t.transpose(1, 2) for t in qkv_packed.unbind(2)), True, 0.25)
+    torch.library.opcheck(flash_attn_bwd_qkvpacked, (torch.randn_like(out), qkv_packed, out, lse, True, 0.25))
 
 
-def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol):
-    """torch.compile(fullgraph=True) of the model's attention path (fused qkv projection, head
-    views, this kernel, heads merged back) gives eager's output and gradients. fullgraph=True
-    fails on any graph break, e.g. a custom op without a fake implementation."""
+def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False):
+    """torch.compile(fullgraph=True) of a model's attention path (fused qkv projection, head views or
+    with packed the (B, T, 3, nh, hs) view model.py passes, this kernel, heads merged back) gives eager's
+    output and gradients. fullgraph=True fails on any graph break, e.g. a custom op without a fake
+    implementation."""
     C = nh * hs
 
     def block(x, w):
-        q, k, v = (x @ w).split(C, dim=2)
-        q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v))
-        return flash_attention(q, k, v).transpose(1, 2).contiguous().view(B, T, C)
+        if packed:
+            y = attention_qkvpacked((x @ w).view(B, T, 3, nh, hs), backend="triton")
+        else:
+            q, k, v = (x @ w).split(C, dim=2)
+            y = flash_attention(*(t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v)))
+        return y.transpose(1, 2).contiguous().view(B, T, C)
 
     x = torch.randn(B, T, C, dtype=dtype, device=device)
     w = torch.randn(C, 3 * C, dtype=dtype, device=device) * C**-0.5
@@ -246,10 +305,11 @@ def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol):
         torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
+def test_torch_compile_fullgraph(packed):
     # Inductor compiles the surrounding ops for the CPU; the custom op runs the interpreted kernel
     torch.manual_seed(0)
-    assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5)
+    assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])

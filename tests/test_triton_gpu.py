@@ -6,7 +6,8 @@ kernel's default config (NANOFLASH_AUTOTUNE=0); test_autotuned_choice_is_correct
 import pytest
 import torch
 
-from test_triton import assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64, qkv
+from test_triton import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
+                         assert_qkvpacked_matches_fp64, qkv)
 
 from attention import triton_flash
 
@@ -44,6 +45,12 @@ def test_fused_qkv_views():
     assert_matches_fp64(q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("T, window", [(1024, None), (999, (256, 0))])
+def test_qkvpacked_matches_fp64(T, window):
+    torch.manual_seed(0)
+    assert_qkvpacked_matches_fp64(torch.randn(2, T, 3, 12, 64, dtype=torch.bfloat16, device="cuda"), window=window)
+
+
 @pytest.mark.parametrize("tma_mode", ["1", "0"])  # the forward's descriptor loads (Hopper), pointer loads
 def test_load_paths_match_fp64(monkeypatch, tma_mode):
     monkeypatch.setattr(triton_flash, "TMA_MODE", tma_mode)
@@ -56,9 +63,10 @@ def test_backward_is_bitwise_deterministic():
     assert_bitwise_deterministic(*qkv(2, 8, 2, 4096, 4096, 128, torch.bfloat16, device="cuda"))
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
+def test_torch_compile_fullgraph(packed):
     torch.manual_seed(0)
-    assert_compiled_matches_eager(2, 512, 4, 64, torch.bfloat16, "cuda", tol=2e-2)
+    assert_compiled_matches_eager(2, 512, 4, 64, torch.bfloat16, "cuda", tol=2e-2, packed=packed)
 
 
 def test_autotuned_choice_is_correct(monkeypatch):

@@ -1,0 +1,157 @@
+"""GPT-2 training steps, one model per attention backend, timed side by side in one process.
+
+    python -m benchmarks.train_step configs/shakespeare.py --backends sdpa,triton --rounds 5 --steps 20
+
+Every backend builds the same compiled model from train.py's config and flags (benchmarks/minimal_loop.py's
+step: forward, backward, clip, AdamW; nothing else), runs its warm-up steps (compilation, the kernels' tile
+tuning), and then the timed steps run in rounds: each round gives every backend `--steps` steps in turn, so
+a change of clocks or temperature during the run falls on all of them alike. Then a few steps per backend
+run under torch.profiler, which splits the GPU time of a step into attention kernels, matmuls and the rest:
+a difference in step time shows up as a difference in one of those, or (if the kernels' sum is well below
+the step: GPU idle) as host time. Writes results.json and results.md to --out_dir.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.minimal_loop import make_step, timed_steps
+from benchmarks.report import environment, fmt, markdown_table, slug, write_json
+from training.config import ConfigError, parse_args
+from training.distributed import World
+
+# GPU kernels by name. Ours are _attn_fwd/_attn_bwd_*; PyTorch's sdpa runs cuDNN ("cudnn ... sdpa"), FlashAttention
+# ("flash") or memory-efficient ("fmha") kernels. Attention is matched first: cutlass names its fmha kernels too.
+ATTENTION_NAMES = ("_attn_", "flash", "fmha", "sdpa", "cudnn")
+MATMUL_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_")
+
+
+def kernel_category(name: str) -> str:
+    lower = name.lower()
+    if any(part in lower for part in ATTENTION_NAMES):
+        return "attention"
+    if any(part in lower for part in MATMUL_NAMES):
+        return "matmul"
+    return "other"
+
+
+def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | None = None) -> dict:
+    """GPU kernel time of one step (mean over n_steps), ms by category, and the attention kernels by name;
+    busy_ms: the time at least one kernel ran (kernels of different streams can overlap), so that the
+    profiled steps' wall_ms - busy_ms is the time the GPU sat idle, waiting for the host."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_ms = statistics.mean(timed_steps(step, device, n_steps))
+    if trace is not None:  # for chrome://tracing or ui.perfetto.dev: where the GPU waits, and on what
+        prof.export_chrome_trace(str(trace))
+    by_category = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    attention_kernels: dict[str, dict] = {}
+    intervals = []
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        intervals.append((event.time_range.start, event.time_range.end))
+        ms = event.time_range.elapsed_us() / 1000 / n_steps
+        category = kernel_category(event.name)
+        by_category[category] += ms
+        if category == "attention":
+            entry = attention_kernels.setdefault(event.name[:120], {"ms": 0.0, "calls": 0.0})
+            entry["ms"] += ms
+            entry["calls"] += 1 / n_steps
+    busy_us, covered_to = 0.0, float("-inf")
+    for start, end in sorted(intervals):  # the length of the union of the kernels' intervals
+        busy_us += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    return dict(wall_ms=wall_ms, busy_ms=busy_us / 1000 / n_steps, kernels_ms=sum(by_category.values()),
+                by_category_ms=by_category,
+                attention_kernels=dict(sorted(attention_kernels.items(), key=lambda kv: -kv[1]["ms"])))
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--backends", default="sdpa,triton", help="comma-separated --attn values")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per backend first (compiling, tuning)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per backend per round")
+    p.add_argument("--profile_steps", type=int, default=3, help="steps per backend under torch.profiler (0: none)")
+    p.add_argument("--trace", action="store_true", help="also write each backend's profiled steps as trace_<backend>.json")
+    p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-train-step/")
+    args, train_argv = p.parse_known_args(argv)
+
+    world = World()
+    steps, cfgs = {}, {}
+    for name in args.backends.split(","):
+        cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
+        steps[name], device, dtype = make_step(cfgs[name], world)
+        timed_steps(steps[name], device, args.warmup)
+    step_ms = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            step_ms[name] += timed_steps(step, device, args.steps)
+
+    cfg = next(iter(cfgs.values()))
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size)
+    results = {"environment": environment(device), "dtype": str(dtype).removeprefix("torch."),
+               "settings": dict(model=cfg.model, batch_size=cfg.batch_size, block_size=cfg.block_size,
+                                tokens_per_step=tokens, compile=cfg.compile, warmup=args.warmup,
+                                rounds=args.rounds, steps=args.steps, profile_steps=args.profile_steps),
+               "backends": {}}
+    out_dir = Path(args.out_dir or f"benchmarks/results/{results['environment']['date'][:10]}-"
+                                   f"{slug(results['environment']['gpu'] or 'cpu')}-train-step")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, step in steps.items():
+        median = statistics.median(step_ms[name])
+        results["backends"][name] = dict(median_ms=median, min_ms=min(step_ms[name]), tokens_per_s=tokens / median * 1e3,
+                                         step_ms=step_ms[name])
+        if args.profile_steps:
+            trace = out_dir / f"trace_{name}.json" if args.trace else None
+            results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
+
+    write_json(out_dir / "results.json", results)
+    (out_dir / "results.md").write_text(report(results))
+    print(report(results))
+    return results
+
+
+def report(results: dict) -> str:
+    env, s = results["environment"], results["settings"]
+    backends = results["backends"]
+    first = next(iter(backends))
+    rows = []
+    for name, r in backends.items():
+        prof = r.get("profile", {})
+        cat = prof.get("by_category_ms", {})
+        idle = prof["wall_ms"] - prof["busy_ms"] if prof else None
+        rows.append([name, fmt(r["median_ms"]), fmt(r["min_ms"]), f"{r['tokens_per_s']:,.0f}",
+                     fmt(backends[first]["median_ms"] / r["median_ms"]), fmt(prof.get("kernels_ms")),
+                     fmt(cat.get("attention")), fmt(cat.get("matmul")), fmt(cat.get("other")), fmt(idle)])
+    lines = [
+        "# Training step by attention backend\n",
+        f"{env['gpu'] or env['device']}, torch {env['torch']}, triton {env['triton']}, {results['dtype']}, "
+        f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
+        f"per step), compile={s['compile']}. Median of {s['rounds']} rounds x {s['steps']} steps per backend, "
+        f"rounds interleaved, after {s['warmup']} warm-up steps; GPU kernel time per step from torch.profiler "
+        f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
+        f"wall time in which no kernel ran).\n",
+        markdown_table(["backend", "median ms/step", "min ms", "tokens/s", f"speed vs {first}", "GPU kernels ms",
+                        "attention ms", "matmul ms", "other ms", "GPU idle ms"], rows),
+    ]
+    for name, r in backends.items():
+        kernels = r.get("profile", {}).get("attention_kernels", {})
+        if kernels:
+            lines.append(f"\nAttention kernels, {name} (per step):\n")
+            lines.append(markdown_table(["kernel", "ms", "calls"],
+                                        [[f"`{k}`", fmt(v["ms"]), fmt(v["calls"])] for k, v in kernels.items()]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as err:
+        sys.exit(f"train_step: error: {err}")
