@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import triton_flash
+from .ops import define_op
 from .triton_flash import (
     LN2,
     LOG2E,
@@ -419,13 +420,6 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
     return dq, dk, dv
 
 
-@torch.library.custom_op("nanoflash::moba_fwd", mutates_args=())
-def moba_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: torch.Tensor, block_size: int,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, selection, block_size, scale)
-
-
-@moba_fwd.register_fake
 def _moba_fwd_fake(q, k, v, selection, block_size, scale):
     B, H, T, D = q.shape
     lists = [q.new_empty(B * H, n, dtype=torch.int32) for n in (T * selection.shape[-1], -(-T // block_size),
@@ -433,21 +427,22 @@ def _moba_fwd_fake(q, k, v, selection, block_size, scale):
     return triton_flash.empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32), *lists
 
 
-@torch.library.custom_op("nanoflash::moba_bwd", mutates_args=())
-def moba_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-             lse: torch.Tensor, selection: torch.Tensor, order: torch.Tensor, first: torch.Tensor, count: torch.Tensor,
-             block_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(do, q, k, v, o, lse, selection, order, first, count, block_size, scale)
+moba_fwd = define_op("moba_fwd(Tensor q, Tensor k, Tensor v, Tensor selection, int block_size, float scale) "
+                     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", forward, _moba_fwd_fake)
 
 
-@moba_bwd.register_fake
 def _moba_bwd_fake(do, q, k, v, o, lse, selection, order, first, count, block_size, scale):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
+moba_bwd = define_op("moba_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor selection, "
+                     "Tensor order, Tensor first, Tensor count, int block_size, float scale) -> (Tensor, Tensor, Tensor)",
+                     backward, _moba_bwd_fake)
+
+
 class MobaFunction(torch.autograd.Function):
     """Autograd for the MoBA kernels (the selection gets no gradient); under torch.compile it calls the
-    custom ops, in eager mode the launchers directly (see triton_op.py for why)."""
+    ops, in eager mode the launchers directly (see triton_op.py for why)."""
 
     @staticmethod
     def forward(ctx, q, k, v, selection, block_size: int, scale: float):

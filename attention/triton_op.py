@@ -1,14 +1,14 @@
-"""The Triton FlashAttention kernels (triton_flash.py) as PyTorch operators.
+"""The Triton FlashAttention kernels (triton_flash.py) as PyTorch operators and autograd.
 
-nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are torch.library custom ops with fake
-(meta) implementations, so torch.compile(fullgraph=True) traces straight through them without a
+nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake (meta)
+implementations (ops.py), so torch.compile(fullgraph=True) traces straight through them without a
 graph break; FlashAttentionFunction wires the backward op to the forward for autograd.
 
     from attention.triton_op import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
-same ops as optional arguments (triton_flash.MaskArgs): custom ops take tensors and numbers only.
+same ops as optional arguments (triton_flash.MaskArgs): operators take tensors and numbers only.
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
@@ -17,18 +17,19 @@ three gradients into one tensor of that shape.
 import torch
 
 from . import triton_flash
+from .ops import define_op
 from .validate import check_qkv
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a 256-wide tile is the most that fits on chip
 
+# The mask arguments every op takes after (causal, scale): MaskArgs flattened into operator types
+MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
+               "int window_left=-1, int window_right=-1, int block_size=16")
 
-# The mask arguments every op takes after (causal, scale): MaskArgs flattened into op-legal types
-MaskTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
-
-def _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left: int, window_right: int,
-               block_size: int) -> triton_flash.MaskArgs:
+def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
+               window_right: int = -1, block_size: int = 16) -> triton_flash.MaskArgs:
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     return triton_flash.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
 
@@ -38,39 +39,33 @@ def _flat(mask: triton_flash.MaskArgs) -> tuple:
     return mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size
 
 
-@torch.library.custom_op("nanoflash::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
-    window_left: int = -1, window_right: int = -1, block_size: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
-    return triton_flash.forward(q, k, v, causal, scale, mask)
+def _flash_attn_fwd(q, k, v, causal, scale, *mask):
+    return triton_flash.forward(q, k, v, causal, scale, _mask_args(*mask))
 
 
-@flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
     B, Hq, Tq, D = q.shape
     return triton_flash.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
 
-@torch.library.custom_op("nanoflash::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float,
-    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
-    window_left: int = -1, window_right: int = -1, block_size: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
-    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, mask)
+flash_attn_fwd = define_op(
+    f"flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, {MASK_SCHEMA}) -> (Tensor, Tensor)",
+    _flash_attn_fwd, _flash_attn_fwd_fake)
 
 
-@flash_attn_bwd.register_fake
+def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
+    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, _mask_args(*mask))
+
+
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
     return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
+
+
+flash_attn_bwd = define_op(
+    f"flash_attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
+    f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+    _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,20 +73,18 @@ def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
-@torch.library.custom_op("nanoflash::flash_attn_bwd_qkvpacked", mutates_args=())
-def flash_attn_bwd_qkvpacked(
-    do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-    kv_blocks: torch.Tensor | None = None, q_blocks: torch.Tensor | None = None,
-    document_ids: torch.Tensor | None = None, tile_bits: torch.Tensor | None = None,
-    window_left: int = -1, window_right: int = -1, block_size: int = 16,
-) -> torch.Tensor:
-    mask = _mask_args(kv_blocks, q_blocks, document_ids, tile_bits, window_left, window_right, block_size)
-    return _packed_backward(do, qkv, o, lse, causal, scale, mask)
+def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
+    return _packed_backward(do, qkv, o, lse, causal, scale, _mask_args(*mask))
 
 
-@flash_attn_bwd_qkvpacked.register_fake
 def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
     return qkv.new_empty(qkv.shape)
+
+
+flash_attn_bwd_qkvpacked = define_op(
+    f"flash_attn_bwd_qkvpacked(Tensor do, Tensor qkv, Tensor o, Tensor lse, bool causal, float scale, "
+    f"{MASK_SCHEMA}) -> Tensor",
+    _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
 def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_flash.MaskArgs) -> torch.Tensor:
@@ -102,10 +95,9 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_f
 
 
 def _fwd(q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
-    # Under torch.compile the custom op keeps the kernel one opaque node with a fake impl. In eager
-    # mode the launcher is called directly: a custom op call passes through ~8 Python frames
-    # (autograd fallback, redispatch, dynamo guard), and at GPT-2's shape on the H200 box the host
-    # time of those layers exceeded the kernels' GPU time (benchmarks/launch_overhead.py).
+    # Under torch.compile the op keeps the kernel one opaque node with a fake impl. In eager mode the
+    # launcher is called directly, without the dispatcher's round trip: at GPT-2's shape on the H200 box
+    # every microsecond of host time per call shows (benchmarks/launch_overhead.py).
     if torch.compiler.is_compiling():
         return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask))
     return triton_flash.forward(q, k, v, causal, scale, mask)
@@ -118,7 +110,7 @@ def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_flash.Mas
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for the kernels; torch.compile traces through it to the custom ops."""
+    """Autograd for the kernels; torch.compile traces through it to the ops."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):

@@ -7,6 +7,7 @@ calls: at small shapes (GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets 
 """
 import argparse
 import cProfile
+import functools
 import pstats
 import sys
 import time
@@ -18,7 +19,7 @@ if __name__ == "__main__" and not __package__:
 import torch
 import triton
 
-from attention import attention
+from attention import attention, attention_qkvpacked
 from attention import triton_flash
 from attention.triton_op import flash_attn_fwd
 
@@ -56,7 +57,7 @@ def main():
     with torch.no_grad():
         cases = {
             "triton_flash.forward (launch only)": lambda: triton_flash.forward(q, k, v, True, scale),
-            "custom op nanoflash::flash_attn_fwd": lambda: flash_attn_fwd(q, k, v, True, scale),
+            "operator nanoflash::flash_attn_fwd": lambda: flash_attn_fwd(q, k, v, True, scale),
             "attention(backend=triton), no grad": lambda: attention(q, k, v, backend="triton"),
             "attention(backend=sdpa), no grad": lambda: attention(q, k, v, backend="sdpa"),
         }
@@ -66,8 +67,23 @@ def main():
     for backend in ("triton", "sdpa"):
         fn = fwd_bwd(backend)
         rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
+    # as a compiled model calls it: torch.compile'd, on the (B, T, 3, nh, hs) view of a fused projection
+    qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled_fwd_bwd = {}
+    for backend in ("triton", "sdpa"):
+        compiled = torch.compile(functools.partial(attention_qkvpacked, backend=backend), fullgraph=True)
+        fn = compiled_fwd_bwd[backend] = functools.partial(lambda compiled: compiled(qkv).backward(do), compiled)
+        rows.append((f"fwd+bwd compiled, packed qkv, {backend}", host_us(fn),
+                     triton.testing.do_bench(fn, grad_to_none=[qkv], return_mode="median") * 1e3))
 
     if args.profile:
+        for name, fn in (("eager", fwd_bwd("triton")), ("compiled", compiled_fwd_bwd["triton"])):
+            # cProfile sees one thread: run the backward on this one (autograd uses a worker thread per GPU)
+            with torch.autograd.set_multithreading_enabled(False):
+                print(f"triton fwd+bwd {name}, autograd on the calling thread: {host_us(fn):.0f} host us/call")
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [fn() for _ in range(100)])
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
         fn = fwd_bwd("triton")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -75,12 +91,6 @@ def main():
                 fn()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-        # cProfile sees one thread: run the backward on this one (autograd uses a worker thread per GPU)
-        with torch.autograd.set_multithreading_enabled(False):
-            print(f"fwd+bwd, autograd on the calling thread: {host_us(fn):.0f} host us/call")
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda: [fn() for _ in range(100)])
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
     print("| call | host us/call | do_bench us |\n|---|---|---|")

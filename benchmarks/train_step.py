@@ -13,6 +13,7 @@ the step: GPU idle) as host time. Writes results.json and results.md to --out_di
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -39,6 +40,19 @@ def kernel_category(name: str) -> str:
     if any(part in lower for part in MATMUL_NAMES):
         return "matmul"
     return "other"
+
+
+def host_issue_ms(step, device: torch.device, n_steps: int) -> float:
+    """Median host time to issue one step (from a synced GPU until step() returns, before the GPU is done):
+    near the step's wall time, the host and not the GPU sets the pace."""
+    times = []
+    for _ in range(n_steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | None = None) -> dict:
@@ -107,7 +121,7 @@ def main(argv=None) -> dict:
     for name, step in steps.items():
         median = statistics.median(step_ms[name])
         results["backends"][name] = dict(median_ms=median, min_ms=min(step_ms[name]), tokens_per_s=tokens / median * 1e3,
-                                         step_ms=step_ms[name])
+                                         host_ms=host_issue_ms(step, device, args.steps), step_ms=step_ms[name])
         if args.profile_steps:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
@@ -127,7 +141,7 @@ def report(results: dict) -> str:
         prof = r.get("profile", {})
         cat = prof.get("by_category_ms", {})
         idle = prof["wall_ms"] - prof["busy_ms"] if prof else None
-        rows.append([name, fmt(r["median_ms"]), fmt(r["min_ms"]), f"{r['tokens_per_s']:,.0f}",
+        rows.append([name, fmt(r["median_ms"]), fmt(r["min_ms"]), fmt(r["host_ms"]), f"{r['tokens_per_s']:,.0f}",
                      fmt(backends[first]["median_ms"] / r["median_ms"]), fmt(prof.get("kernels_ms")),
                      fmt(cat.get("attention")), fmt(cat.get("matmul")), fmt(cat.get("other")), fmt(idle)])
     lines = [
@@ -135,10 +149,11 @@ def report(results: dict) -> str:
         f"{env['gpu'] or env['device']}, torch {env['torch']}, triton {env['triton']}, {results['dtype']}, "
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
         f"per step), compile={s['compile']}. Median of {s['rounds']} rounds x {s['steps']} steps per backend, "
-        f"rounds interleaved, after {s['warmup']} warm-up steps; GPU kernel time per step from torch.profiler "
+        f"rounds interleaved, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
+        f"returning, before the GPU is done); GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
         f"wall time in which no kernel ran).\n",
-        markdown_table(["backend", "median ms/step", "min ms", "tokens/s", f"speed vs {first}", "GPU kernels ms",
+        markdown_table(["backend", "median ms/step", "min ms", "host ms", "tokens/s", f"speed vs {first}", "GPU kernels ms",
                         "attention ms", "matmul ms", "other ms", "GPU idle ms"], rows),
     ]
     for name, r in backends.items():

@@ -279,7 +279,7 @@ def test_ops_pass_opcheck():
 def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False):
     """torch.compile(fullgraph=True) of a model's attention path (fused qkv projection, head views or
     with packed the (B, T, 3, nh, hs) view model.py passes, this kernel, heads merged back) gives eager's
-    output and gradients. fullgraph=True fails on any graph break, e.g. a custom op without a fake
+    output and gradients. fullgraph=True fails on any graph break, e.g. an operator without a fake
     implementation."""
     C = nh * hs
 
@@ -307,7 +307,7 @@ def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False
 
 @pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
 def test_torch_compile_fullgraph(packed):
-    # Inductor compiles the surrounding ops for the CPU; the custom op runs the interpreted kernel
+    # Inductor compiles the surrounding ops for the CPU; our operator runs the interpreted kernel
     torch.manual_seed(0)
     assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
 

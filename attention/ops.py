@@ -1,0 +1,26 @@
+"""The Triton kernels as PyTorch operators (torch.ops.nanoflash.*), so torch.compile(fullgraph=True)
+traces straight through them: each op has a fake (meta) implementation that gives its outputs' shapes
+and strides without running it.
+
+Declared with torch.library's low-level API (define, impl, register_fake) rather than
+torch.library.custom_op: custom_op wraps every call in Python layers (an autograd kernel that
+redispatches, a wrapper that turns dynamo off and on, a check that outputs alias no input) which
+these ops need none of: autograd lives in the torch.autograd.Functions around them, and they always
+return new tensors. Those layers cost more host time per call than the kernel launch itself in a
+compiled GPT-2 training step on the H200 box (docs/perf_notes.md, "Host time in compiled training").
+"""
+import torch
+
+_lib = torch.library.Library("nanoflash", "FRAGMENT")
+
+
+def define_op(schema: str, impl, fake):
+    """schema: "name(Tensor q, ...) -> (Tensor, Tensor)". impl runs the kernels on real tensors (CUDA,
+    or CPU under Triton's interpreter); fake returns empty outputs shaped and strided like impl's.
+    The dispatcher leaves out trailing arguments equal to their schema defaults, so impl and fake must
+    give them the same defaults. -> the op, torch.ops.nanoflash.<name>."""
+    name = schema.split("(", 1)[0]
+    _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"nanoflash::{name}", fake, lib=_lib)
+    return getattr(torch.ops.nanoflash, name)
