@@ -69,6 +69,16 @@ def test_torch_compile_fullgraph(packed):
     assert_compiled_matches_eager(2, 512, 4, 64, torch.bfloat16, "cuda", tol=2e-2, packed=packed)
 
 
+@pytest.mark.parametrize("kernel, head_dim, tile", [(kernel, head_dim, tile) for kernel, by_dim in triton_flash.HOPPER_TILES.items()
+                                                     for head_dim in (64, 128) for tile in by_dim[head_dim]])
+def test_every_tile_candidate_matches_fp64(monkeypatch, kernel, head_dim, tile):
+    # the tuner may pick any candidate for some shape: each one alone, on a causal, ragged call
+    monkeypatch.setitem(triton_flash.HOPPER_TILES, kernel, {**triton_flash.HOPPER_TILES[kernel], head_dim: [tile]})
+    monkeypatch.setattr(triton_flash, "_best_tile", {})
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, device="cuda"), causal=True)
+
+
 def test_autotuned_choice_is_correct(monkeypatch):
     # a shape no other test uses, so its tuning key is new and the tuner really benchmarks
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
