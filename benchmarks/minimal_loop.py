@@ -55,15 +55,16 @@ def make_step(cfg, world: World) -> tuple[Callable[[], None], torch.device, torc
     return step, device, dtype
 
 
-def timed_steps(step: Callable[[], None], device: torch.device, n: int) -> list[float]:
-    """ms of each of n steps, each timed from a synced GPU to a synced GPU."""
+def timed_steps(step: Callable[[], None], device: torch.device, n: int, wait_for_gpu: bool = True) -> list[float]:
+    """ms of each of n steps, each timed from a synced GPU to a synced GPU; with wait_for_gpu=False only
+    until step() returns, which is the host's time to issue the step's work."""
     times = []
     for _ in range(n):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
-        if device.type == "cuda":
+        if device.type == "cuda" and wait_for_gpu:
             torch.cuda.synchronize()
         times.append(1000 * (time.perf_counter() - t0))
     return times

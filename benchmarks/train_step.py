@@ -13,7 +13,6 @@ the step: GPU idle) as host time. Writes results.json and results.md to --out_di
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -40,19 +39,6 @@ def kernel_category(name: str) -> str:
     if any(part in lower for part in MATMUL_NAMES):
         return "matmul"
     return "other"
-
-
-def host_issue_ms(step, device: torch.device, n_steps: int) -> float:
-    """Median host time to issue one step (from a synced GPU until step() returns, before the GPU is done):
-    near the step's wall time, the host and not the GPU sets the pace."""
-    times = []
-    for _ in range(n_steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | None = None) -> dict:
@@ -120,8 +106,10 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, step in steps.items():
         median = statistics.median(step_ms[name])
+        # host: the time to issue a step; near the step's own time, the host and not the GPU sets the pace
+        host_ms = statistics.median(timed_steps(step, device, args.steps, wait_for_gpu=False))
         results["backends"][name] = dict(median_ms=median, min_ms=min(step_ms[name]), tokens_per_s=tokens / median * 1e3,
-                                         host_ms=host_issue_ms(step, device, args.steps), step_ms=step_ms[name])
+                                         host_ms=host_ms, step_ms=step_ms[name])
         if args.profile_steps:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
