@@ -293,6 +293,14 @@ def _query_ranges(start_n, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _listed_row(BLOCKS, b, h, stride_b, stride_h, start, n_blocks, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """§10: the block-mask row (see _listed_tile) of the block holding position start, for batch row b and
+    head h, and how many TILE-wide tiles its FULL blocks and all its listed blocks hold: -> row, n_full, n_listed."""
+    row = BLOCKS + b * stride_b + h * stride_h + (start // MASK_BLOCK) * (2 + 2 * n_blocks)
+    return row, tl.load(row) * (MASK_BLOCK // TILE), tl.load(row + 1) * (MASK_BLOCK // TILE)
+
+
+@triton.jit
 def _listed_tile(row, i, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
     """§10: the first position of the i-th tile of the blocks a block-mask row lists (row = [n_full,
     n_listed, blocks..., tile ids...], see attention/block_mask.py), counting TILE-wide tiles: each
@@ -387,9 +395,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     if SPARSE:
         # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones
         # unmasked, then the PARTIAL ones masked; SKIP blocks are never loaded
-        row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_m // MASK_BLOCK) * (2 + 2 * n_blocks)
-        n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
-        n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
+        row, n_full, n_listed = _listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,
+                                            MASK_BLOCK, BLOCK_N)
         for i in range(n_full):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
@@ -491,9 +498,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
-            row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_n // MASK_BLOCK) * (2 + 2 * n_blocks)
-            n_full = tl.load(row) * (MASK_BLOCK // BLOCK_M)  # in tiles
-            n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_M)
+            row, n_full, n_listed = _listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_n, n_blocks,
+                                                MASK_BLOCK, BLOCK_M)
             for i in range(n_full):
                 start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
@@ -583,9 +589,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     qk_scale = scale * LOG2E
 
     if SPARSE:  # §10, the same key blocks as the forward pass visited
-        row = BLOCKS + b * stride_blocks_b + h * stride_blocks_h + (start_m // MASK_BLOCK) * (2 + 2 * n_blocks)
-        n_full = tl.load(row) * (MASK_BLOCK // BLOCK_N)  # in tiles
-        n_listed = tl.load(row + 1) * (MASK_BLOCK // BLOCK_N)
+        row, n_full, n_listed = _listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,
+                                            MASK_BLOCK, BLOCK_N)
         for i in range(n_full):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
