@@ -12,12 +12,15 @@ them, the same rescaling as the online softmax (§2), done once across slots ins
 Kernels (reusing the dense kernels' tile functions from triton_flash.py):
   _moba_gate       the router: block scores and top-k for a tile of queries (moba_select, fused)
   _moba_fwd        a program per (key block, tile of its entries): partial out + lse per entry
+  _row_delta       Delta = rowsum(dO * O) per query, before the backward kernels (§5)
   _moba_bwd_dq     the same programs: dQ per entry, summed over a query's slots afterwards
   _moba_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV from every entry of its block,
                    over the GQA group (§7), no atomics
 Each query always selects its own block, under the causal mask: within a block's list those entries
-come first (entries are sorted by query), so only the first tiles of a list and the last, ragged one
-are masked; the rest see the whole block.
+come first, in query order (entries are sorted by query), so the dense kernels' causal tile skipping
+(§6) applies to them: an own-query tile stops at its last query's key, a key tile skips the own
+queries before it, and only the tiles on the diagonal and the last, ragged one are masked; the rest
+see the whole block.
 """
 import functools
 
@@ -51,13 +54,15 @@ def entry_lists(selection: torch.Tensor, block_size: int) -> tuple[torch.Tensor,
     B, H, T, S = selection.shape
     n_blocks = -(-T // block_size)
     chosen = selection.reshape(B * H, T * S)
-    block = torch.where(chosen >= 0, chosen, n_blocks)  # empty slots sort into an extra block at the end
-    entry = torch.arange(T * S, device=selection.device)
-    order = (block * (T * S) + entry).argsort(dim=-1)
-    count = torch.zeros(B * H, n_blocks + 1, dtype=torch.int64, device=selection.device)
-    count.scatter_add_(1, block, torch.ones_like(block))
-    count = count[:, :n_blocks]
-    first = count.cumsum(1) - count
+    # empty slots sort into an extra block at the end. A stable sort keeps each block's entries in
+    # ascending entry (so query) order, and sorting the small block ids, not entry-unique int64 keys,
+    # needs a quarter of the radix sort's passes
+    block = torch.where(chosen >= 0, chosen, n_blocks).to(torch.int16 if n_blocks < 2**15 else torch.int32)
+    sorted_block, order = torch.sort(block, dim=-1, stable=True)
+    # where each block's run starts in the sorted row; a run ends where the next block's starts
+    starts = torch.searchsorted(sorted_block, torch.arange(n_blocks + 1, dtype=block.dtype, device=block.device)
+                                .expand(B * H, -1).contiguous())
+    first, count = starts[:, :-1], starts[:, 1:] - starts[:, :-1]
     return order.to(torch.int32), first.to(torch.int32).contiguous(), count.to(torch.int32).contiguous()
 
 
@@ -85,8 +90,8 @@ def _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                 MOBA_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """The work item of this program -> (batch*head, key block, tile of the block's list, its gathered
     entries (M,), their query positions (M,) (T for padding rows, so row-checked loads read 0), which
-    rows are real, and whether the tile needs the causal mask: it holds queries of the block itself,
-    which come first in a list)."""
+    rows are real, and whether the tile holds queries of the block itself (own: under the causal mask;
+    they come first in a list, in query order)."""
     item = tl.load(WORK + tl.program_id(0) * 2)
     tile = tl.load(WORK + tl.program_id(0) * 2 + 1)
     real = item < n_lists
@@ -102,6 +107,21 @@ def _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
 
 
 @triton.jit
+def _block_key_ranges(block, tile, own, T, MOBA_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys a tile of a block's list visits, as the dense kernels' ranges (§6 tile skipping):
+    [start, full_end) unmasked, [full_end, end) masked. A tile of the block's own queries (own) holds
+    queries first, first + 1, ... (row r of the list is query start + r): keys up to first are visible
+    to all of its rows, keys after its last query to none, so its walk stops there. Later queries see
+    the whole block (a past block is never cut off by T)."""
+    start = block * MOBA_BLOCK
+    full_end = tl.minimum(start + MOBA_BLOCK, T)
+    end = full_end
+    if own:
+        full_end, end = triton_flash._key_ranges(start + tile * BLOCK_M, T, T, BLOCK_M, BLOCK_N, True)
+    return start, full_end, end
+
+
+@triton.jit
 def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
               stride_qb, stride_qh, stride_qt, stride_qd,
               stride_kb, stride_kh, stride_kt, stride_kd,
@@ -109,8 +129,8 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
               H, GROUP, T, S, n_lists, n_blocks, scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MOBA_BLOCK: tl.constexpr,
               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh, block, _, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
-                                                      MOBA_BLOCK, BLOCK_M)
+    bh, block, tile, entry, q_pos, valid, own = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
+                                                        MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
     V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
@@ -122,18 +142,15 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
-    start = block * MOBA_BLOCK
-    end = tl.minimum(start + MOBA_BLOCK, T)
-    if causal:  # the block's own queries (and the last block's ragged end, which only they read)
-        for start_n in range(start, end, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
-                                      stride_vd, cols, T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
-    else:  # queries after the block see all of it; a past block is never cut off by T
-        for start_n in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
-                                      stride_kd, stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+    start, full_end, end = _block_key_ranges(block, tile, own, T, MOBA_BLOCK, BLOCK_M, BLOCK_N)
+    for start_n in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
+                                  stride_kd, stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):  # own queries' diagonal (and the last block's ragged end)
+        k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                  stride_vd, cols, T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
 
     # every entry sees at least one key (its own query's block holds the query itself), so l > 0
     out_rows = bh.to(tl.int64) * T * S + entry  # (M,) the entries' slots
@@ -151,8 +168,8 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
                  H, GROUP, T, S, n_lists, n_blocks, scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MOBA_BLOCK: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    bh, block, tile, entry, q_pos, valid, causal = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
-                                                         MOBA_BLOCK, BLOCK_M)
+    bh, block, tile, entry, q_pos, valid, own = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
+                                                        MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
     K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)
     V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
@@ -177,18 +194,15 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
-    start = block * MOBA_BLOCK
-    end = tl.minimum(start + MOBA_BLOCK, T)
-    if causal:
-        for start_n in range(start, end, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                          T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
-                          stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+    start, full_end, end = _block_key_ranges(block, tile, own, T, MOBA_BLOCK, BLOCK_M, BLOCK_N)  # as the forward
+    for start_n in range(start, full_end, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                      stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        k_pos = start_n + tl.arange(0, BLOCK_N)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
+        dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                      T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     out_rows = bh.to(tl.int64) * T * S + entry
     tl.store(DQ_PART + out_rows[:, None] * BLOCK_D + cols[None, :], dq * scale, mask=valid[:, None])
 
@@ -216,6 +230,7 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
     own_queries = tl.minimum(MOBA_BLOCK, T - block * MOBA_BLOCK)
+    first = start_n - block * MOBA_BLOCK  # the key tile's offset in its block
 
     for g in range(GROUP):  # §7 GQA gradient sum, as in the dense dK/dV kernel
         bh = b * H + h_kv * GROUP + g
@@ -226,14 +241,17 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
         DO = DO_LISTED + listed * HEAD_DIM
         LSE = LSE_LISTED + listed
         DELTA = DELTA_LISTED + listed
-        # tiles of the list: [0, causal_end) hold the block's own queries (causal mask),
-        # [causal_end, full_end) see the whole key tile, [full_end, count) is the ragged last tile
-        causal_end = tl.minimum(tl.cdiv(own_queries, BLOCK_M) * BLOCK_M, count)
-        full_end = tl.maximum(count // BLOCK_M * BLOCK_M, causal_end)
-        for rows in range(0, causal_end, BLOCK_M):
+        # Rows of the list: [0, own_end) are the block's own queries, row r query block_start + r, which sees
+        # this key tile from r = first on and all of it from r = first + BLOCK_N - 1 (§6 as in the dense
+        # kernel): rows before lo are skipped, [lo, diag_end) masked; [diag_end, full_end) see the whole
+        # key tile; [full_end, count) is the ragged last tile
+        own_end = tl.minimum(tl.cdiv(own_queries, BLOCK_M) * BLOCK_M, count)
+        diag_end = tl.minimum(tl.cdiv(first + BLOCK_N - 1, BLOCK_M) * BLOCK_M, own_end)
+        full_end = tl.maximum(count // BLOCK_M * BLOCK_M, diag_end)
+        for rows in range(first // BLOCK_M * BLOCK_M, diag_end, BLOCK_M):
             dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
                                        cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
-        for rows in range(causal_end, full_end, BLOCK_M):
+        for rows in range(diag_end, full_end, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1, HEAD_DIM, 1,
                                 cols, count, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for rows in range(full_end, count, BLOCK_M):
@@ -293,6 +311,21 @@ def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, strid
         acc += weight[:, None] * part
     triton_flash._store_rows(_head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
                              HEAD_DIM)
+
+
+@triton.jit
+def _row_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_od, stride_dob, stride_doh, stride_dot, stride_dod,
+               H, T, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """§5 Delta = rowsum(dO * O) in fp32 for BLOCK_T rows of one head: one pass over O and dO before the
+    MoBA backward (the dense dQ kernel computes it on the side, but a query's MoBA rows are spread over
+    several programs). In PyTorch the same sum converts both to fp32 in memory first: 3x the traffic."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (T_tile,)
+    cols = tl.arange(0, BLOCK_D)
+    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), t, T, stride_ot, cols, stride_od, HEAD_DIM, True)
+    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), t, T, stride_dot, cols, stride_dod, HEAD_DIM, True)
+    tl.store(DELTA + bh.to(tl.int64) * T + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=t < T)
 
 
 @triton.jit
@@ -356,6 +389,7 @@ def moba_gate(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) -> t
 
 
 MERGE_ROWS = 32  # queries per merge program (_moba_merge): S partial rows of D floats each
+DELTA_ROWS = 64  # queries per _row_delta program
 
 
 def _merge(part, lse_part, selection, out, lse) -> None:
@@ -392,7 +426,9 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
     """-> dq, dk, dv."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], selection.shape[-1]
-    delta = (do.float() * o.float()).sum(-1)  # §5 Delta = rowsum(dO * O), (B, H, T)
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    _row_delta[(triton.cdiv(T, DELTA_ROWS), B * H)](o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D,
+                                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_T=DELTA_ROWS)
     constants = _constants(q, block_size)
 
     dq_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)

@@ -44,6 +44,14 @@ def test_moba_matches_fp64(B, Hq, Hkv, T, D, topk, dtype):
     assert_moba_matches_fp64(B, Hq, Hkv, T, D, 32, topk, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moba_own_block_tile_skipping_matches_fp64(dtype):
+    # 64-key blocks hold two key tiles and two query tiles of the interpreter's tiles: the second own
+    # query tile sees the first key tile whole (unmasked) and the second key tile skips the first own
+    # query tile, as the dense causal kernel does; T = 150 leaves a ragged last block of 22 keys
+    assert_moba_matches_fp64(1, 2, 1, 150, 16, 64, 2, dtype)
+
+
 def test_entry_lists_group_every_selected_pair_by_block():
     torch.manual_seed(0)
     q, k = torch.randn(2, 3, 90, 16), torch.randn(2, 3, 90, 16)
