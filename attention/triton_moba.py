@@ -243,8 +243,8 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
         DELTA = DELTA_LISTED + listed
         # Rows of the list: [0, own_end) are the block's own queries, row r query block_start + r, which sees
         # this key tile from r = first on and all of it from r = first + BLOCK_N - 1 (§6 as in the dense
-        # kernel): rows before lo are skipped, [lo, diag_end) masked; [diag_end, full_end) see the whole
-        # key tile; [full_end, count) is the ragged last tile
+        # kernel): the row tiles before the one holding row first are skipped, those up to diag_end masked;
+        # [diag_end, full_end) see the whole key tile; [full_end, count) is the ragged last tile
         own_end = tl.minimum(tl.cdiv(own_queries, BLOCK_M) * BLOCK_M, count)
         diag_end = tl.minimum(tl.cdiv(first + BLOCK_N - 1, BLOCK_M) * BLOCK_M, own_end)
         full_end = tl.maximum(count // BLOCK_M * BLOCK_M, diag_end)

@@ -46,9 +46,9 @@ def test_moba_matches_fp64(B, Hq, Hkv, T, D, topk, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_moba_own_block_tile_skipping_matches_fp64(dtype):
-    # 64-key blocks hold two key tiles and two query tiles of the interpreter's tiles: the second own
-    # query tile sees the first key tile whole (unmasked) and the second key tile skips the first own
-    # query tile, as the dense causal kernel does; T = 150 leaves a ragged last block of 22 keys
+    # 64-key blocks hold two of the interpreter's 32-row tiles: the forward's and dQ's second own-query
+    # tile reads the block's first 32 keys unmasked, and the dK/dV kernel's second key tile skips the 32
+    # own rows before it, as the dense causal kernel does; T = 150 leaves a ragged last block of 22 keys
     assert_moba_matches_fp64(1, 2, 1, 150, 16, 64, 2, dtype)
 
 
