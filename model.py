@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import attention, attention_qkvpacked, available_backends
+from attention import attention, attention_qkvpacked, available_backends, unpack_qkv
 from attention.decode import decode_attention
 from attention.moba import moba_attention
 
@@ -242,7 +242,7 @@ class CausalSelfAttention(nn.Module):
     def _attend_views(self, qkv, kv_cache: KVCache | None, window) -> torch.Tensor:
         """MoBA and KV-cache attention, on q, k, v as (B, nh, T, hs) views of qkv. Left strided on purpose:
         the Triton kernels read them in place, and a .contiguous() would cost three copies per layer."""
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        q, k, v = unpack_qkv(qkv)
         if self.backend == "moba":  # never with a cache: GPT.forward refuses one
             return moba_attention(q, k, v, self.moba_block, self.moba_topk, backend="triton")
         if kv_cache.step_pos is not None:

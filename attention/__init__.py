@@ -8,6 +8,7 @@
 from .block_mask import BlockMask
 from .masks import causal_mask
 from .module import Attention
-from .registry import attention, attention_qkvpacked, available_backends, get_backend, register_backend
+from .registry import attention, attention_qkvpacked, available_backends, get_backend, register_backend, unpack_qkv
 
-__all__ = ["Attention", "BlockMask", "attention", "attention_qkvpacked", "available_backends", "causal_mask", "get_backend", "register_backend"]
+__all__ = ["Attention", "BlockMask", "attention", "attention_qkvpacked", "available_backends", "causal_mask", "get_backend",
+           "register_backend", "unpack_qkv"]

@@ -94,6 +94,11 @@ def attention(
     return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask)
 
 
+def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3, nh, hs) -> q, k, v (B, nh, T, hs), strided views of it (no copy)."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+
+
 def attention_qkvpacked(
     qkv: torch.Tensor,
     causal: bool = True,
@@ -113,7 +118,7 @@ def attention_qkvpacked(
         shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must be (batch, seq_len, 3, heads, head_dim), got {shape}; view a fused projection's "
                          "(B, T, 3 * C) output with .view(B, T, 3, n_head, C // n_head)")
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, nh, T, hs) views
+    q, k, v = unpack_qkv(qkv)
     return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask,
                       qkv if backend in _TAKES_PACKED else None)
 

@@ -18,6 +18,7 @@ import torch
 
 from . import triton_flash
 from .ops import define_op
+from .registry import unpack_qkv
 from .validate import check_qkv
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,11 +67,6 @@ flash_attn_bwd = define_op(
     f"flash_attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
     f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)",
     _flash_attn_bwd, _flash_attn_bwd_fake)
-
-
-def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T, 3, H, D) -> q, k, v (B, H, T, D), views of it."""
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
 def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
