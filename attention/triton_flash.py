@@ -35,6 +35,8 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
 # Autotuning (§9). Tile candidates for Hopper (H100/H200), by head dim padded to a power of two,
 # as (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default when tuning is off.
 # BLOCK_M always counts query rows and BLOCK_N key rows. Larger heads leave room for fewer rows.
+# The lists serve dense and block-sparse calls (§10): long dense rows pick the large tiles, the
+# short rows of a window or of documents the small ones (benchmarks/tune_kernels.py --masks).
 # ---------------------------------------------------------------------------------------------
 HOPPER_TILES = {
     "fwd": {
@@ -45,12 +47,12 @@ HOPPER_TILES = {
     # dK/dV keeps two fp32 (BLOCK_N, D) accumulators: wide heads want more warps to hold them
     "dkdv": {
         64: [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
-        128: [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 2)],
+        128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
         256: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
     },
     "dq": {
-        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)],
-        128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 2)],
+        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 2)],
+        128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)],
         256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
     },
 }
@@ -228,21 +230,34 @@ def _store_tile(dst, tile, start, rows, n_rows, stride_t, cols, stride_d, HEAD_D
 
 
 @triton.jit
-def _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS, tile_id,
+def _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, q_doc, k_doc, TILE_BITS, tile_id,
              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
              MASK_BLOCK: tl.constexpr):
     """True where query q_pos may attend to key k_pos (broadcast shapes, e.g. (M, 1) and (1, N)).
-    Only tiles that need a mask call this: the AND of every rule the call uses (§6, §10).
-    Positions are bottom-right aligned: query i sits at absolute position i + Tk - Tq."""
+    Only tiles that need a mask call this: the AND of every rule the call uses (§6, §10). It runs on
+    every score of a masked tile, so each rule costs as few integer ops per score as it can.
+    Positions are bottom-right aligned: query i sits at absolute position i + Tk - Tq.
+    q_doc, k_doc: the rows' document ids (_document_ids), shaped like q_pos and k_pos; None without DOCS."""
     q_abs = q_pos + (Tk - Tq)
-    mask = k_pos < Tk  # the key exists
-    if CAUSAL:  # not in the query's future
-        mask = mask & (k_pos <= q_abs)
-    if WINDOW:  # §10 sliding window: no further than window_left behind, window_right ahead
-        mask = mask & (k_pos >= q_abs - window_left) & (k_pos <= q_abs + window_right)
-    if DOCS:  # §10 documents: DOC_IDS points at this batch row's document id per position
-        q_doc = tl.load(DOC_IDS + q_abs, mask=(q_pos < Tq) & (q_abs >= 0), other=-1)
-        k_doc = tl.load(DOC_IDS + k_pos, mask=k_pos < Tk, other=-2)
+    if CAUSAL:  # not in the query's future (for a real query, q_abs <= Tk - 1: so the key exists)
+        mask = k_pos <= q_abs
+    else:
+        mask = k_pos < Tk  # the key exists
+    if WINDOW:
+        # §10 the window bounds how far the key lies behind the query: lo <= q_abs - k_pos <= window_left,
+        # lo = -window_right (0 with causal). Read as unsigned, a distance below lo wraps around past
+        # window_left - lo, so one subtraction and one compare per score test both ends (q_abs - lo
+        # is per row) instead of two compares and an AND
+        if CAUSAL:
+            lo = 0
+        else:
+            lo = -window_right
+        in_window = ((q_abs - lo) - k_pos).to(tl.uint32, bitcast=True) <= (window_left - lo).to(tl.uint32, bitcast=True)
+        if CAUSAL:
+            mask = in_window  # lo = 0 holds the causal rule
+        else:
+            mask = mask & in_window
+    if DOCS:  # §10 documents: the same document
         mask = mask & (q_doc == k_doc)
     if BITS:  # §10 a mask function's partial block, evaluated once on the host: (MASK_BLOCK, MASK_BLOCK) bytes
         offset = tile_id.to(tl.int64) * MASK_BLOCK * MASK_BLOCK + (q_pos % MASK_BLOCK) * MASK_BLOCK + k_pos % MASK_BLOCK
@@ -255,7 +270,18 @@ def _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS
 @triton.jit
 def _causal_visible(q_pos, k_pos, Tq, Tk, CAUSAL: tl.constexpr):
     """_visible for dense attention: the causal rule (if any) and the end of the keys."""
-    return _visible(q_pos, k_pos, Tq, Tk, 0, 0, None, None, -1, CAUSAL, False, False, False, 16)
+    return _visible(q_pos, k_pos, Tq, Tk, 0, 0, None, None, None, -1, CAUSAL, False, False, False, 16)
+
+
+@triton.jit
+def _document_ids(DOC_IDS, pos, shift, n_rows, missing, DOCS: tl.constexpr):
+    """§10: the document id at position pos + shift for rows pos < n_rows, `missing` for the others
+    (-1 for queries, -2 for keys, so a missing row matches nothing). DOC_IDS points at this batch
+    row's ids. A program loads its own rows' ids once, not once per tile; None without DOCS."""
+    ids = None
+    if DOCS:
+        ids = tl.load(DOC_IDS + pos + shift, mask=(pos < n_rows) & (pos + shift >= 0), other=missing)
+    return ids
 
 
 @triton.jit
@@ -401,12 +427,14 @@ def _attn_fwd(Q, K, V, O, LSE,
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        q_doc = _document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_N)
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
-                               tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+            k_doc = _document_ids(DOC_IDS, k_pos[None, :], 0, Tk, -2, DOCS)  # (1, N)
+            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
+                               TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
@@ -479,6 +507,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
     k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+    k_doc = _document_ids(DOC_IDS, k_pos[:, None], 0, Tk, -2, DOCS)  # (N, 1)
     cols = tl.arange(0, BLOCK_D)  # (D,)
     k = _load_rows(_head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, Tk, stride_kt, cols, stride_kd,
                    HEAD_DIM, True)  # (N, D), on chip throughout
@@ -508,8 +537,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 start_m = _listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
-                visibleT = _visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
-                                    tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+                q_doc = _document_ids(DOC_IDS, q_pos[None, :], Tk - Tq, Tq, -1, DOCS)  # (1, M)
+                visibleT = _visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, q_doc, k_doc,
+                                    TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
         else:
@@ -595,12 +625,14 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        q_doc = _document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = _listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             tile_id = _listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_N)
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, DOC_IDS, TILE_BITS,
-                               tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+            k_doc = _document_ids(DOC_IDS, k_pos[None, :], 0, Tk, -2, DOCS)  # (1, N)
+            visible = _visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
+                               TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                           Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:

@@ -10,9 +10,11 @@ a cell of that benchmark can be taken apart here. For finding what to optimise; 
 import argparse
 
 import torch
+import triton
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.attention import Shape, pass_step
+from benchmarks.launch_overhead import host_us
 from benchmarks.sparse import FAMILIES, GRIDS, MASKS, flex, ours, packed_document_ids
 
 
@@ -31,7 +33,11 @@ def kernel_table(fn, shape: Shape, steps: int = 5, host: bool = False) -> str:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events) / steps
-    lines = [f"{'us/call':>9} {'calls':>5}  kernel   (GPU total {total:.0f} us per fwd+bwd)"]
+    # the benchmark's timer spans kernels and the gaps between them: where it exceeds the kernels'
+    # total, the GPU waited, and a host time per call near the timer's says for what
+    timed = triton.testing.do_bench(step, return_mode="median") * 1e3
+    lines = [f"do_bench {timed:.0f} us per fwd+bwd; host {host_us(step):.0f} us per call (launch_overhead.host_us)",
+             f"{'us/call':>9} {'calls':>5}  kernel   (GPU total {total:.0f} us per fwd+bwd)"]
     for e in events[:14]:
         lines.append(f"{e.self_device_time_total / steps:9.0f} {e.count // steps:5d}  {e.key[:100]}")
     if host:  # what the CPU spends its time on: launches, allocations, synchronisations

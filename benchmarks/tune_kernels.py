@@ -10,6 +10,11 @@ and PyTorch's cuDNN attention on the same inputs. With --jobs N, N processes fir
 shape's candidates (Triton's disk cache keeps the binaries), so the timing pass, alone on the GPU,
 does not wait on the compiler. For choosing HOPPER_TILES and finding what to change next
 (docs/perf_notes.md); benchmarks/attention.py is the benchmark.
+
+    python -m benchmarks.tune_kernels --masks window,documents --out_dir out/tune-sparse
+
+sweeps the block-sparse kernels instead (§10), with benchmarks/sparse.py's masks at T=16k; no
+cuDNN there (benchmarks/sparse.py compares them with FlexAttention).
 """
 import argparse
 import json
@@ -21,9 +26,11 @@ import torch
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import triton_flash
-from benchmarks.attention import Shape, attention_flops
+from attention import BlockMask, triton_flash
+from attention.triton_op import _kernel_mask
+from benchmarks.attention import Shape
 from benchmarks.report import environment, write_json
+from benchmarks.sparse import MASKS, packed_document_ids
 
 SHAPES = [
     Shape(16, 12, 1024, 64, True, "gpt2"),
@@ -31,6 +38,7 @@ SHAPES = [
     Shape(4, 16, 4096, 128, True, "grid"),
     Shape(1, 16, 16384, 128, False, "grid"),
 ]
+SPARSE_SHAPES = [Shape(1, 32, 16384, 64, True, "grid"), Shape(1, 16, 16384, 128, True, "grid")]
 # wider than HOPPER_TILES: (BLOCK_M, BLOCK_N, num_warps, num_stages), by head dim
 SWEEP_TILES = {
     "fwd": {
@@ -42,12 +50,14 @@ SWEEP_TILES = {
     "dq": {
         64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2),
              (64, 64, 4, 2), (64, 32, 4, 3), (32, 64, 4, 3), (128, 64, 4, 2)],
-        128: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2), (64, 32, 4, 2)],
+        128: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2), (64, 32, 4, 2),
+              (64, 32, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (32, 32, 4, 3)],
     },
     "dkdv": {
         64: [(64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 2),
              (16, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (16, 128, 4, 3), (32, 32, 4, 2), (64, 64, 4, 2)],
-        128: [(64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 64, 4, 2), (64, 64, 4, 3)],
+        128: [(64, 64, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (32, 64, 4, 2), (64, 64, 4, 3),
+              (32, 64, 4, 3), (16, 64, 4, 2), (32, 32, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3)],
     },
 }
 
@@ -62,7 +72,18 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def run_job(shape: Shape) -> dict:
+def kernel_mask(family: str, shape: Shape) -> triton_flash.MaskArgs:
+    """The kernels' arguments for one of benchmarks/sparse.py's masks on this shape ("dense": none)."""
+    if family == "dense":
+        return triton_flash.DENSE
+    if family == "window":
+        rules = dict(window=(MASKS["gpu"]["window"], 0))
+    else:
+        rules = dict(document_ids=packed_document_ids(shape.B, shape.T, MASKS["gpu"]["doc_lengths"], 0, "cuda"))
+    return _kernel_mask(BlockMask.from_rules(shape.T, shape.T, causal=shape.causal, device="cuda", **rules))
+
+
+def run_job(shape: Shape, family: str = "dense") -> dict:
     """Tune every kernel of one shape, then time the passes with the chosen tiles."""
     triton_flash.HOPPER_TILES = SWEEP_TILES
     triton_flash.TMA_MODE = "1"  # the forward's candidates with and without descriptor loads
@@ -70,17 +91,18 @@ def run_job(shape: Shape) -> dict:
     triton_flash._best_tile.clear()
     q, k, v, do = inputs(shape)
     scale = shape.hs ** -0.5
-    o, lse = triton_flash.forward(q, k, v, shape.causal, scale)
-    triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale)
-    passes = {"fwd": time_ms(lambda: triton_flash.forward(q, k, v, shape.causal, scale)),
-              "bwd": time_ms(lambda: triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale))}
+    mask = kernel_mask(family, shape)
+    o, lse = triton_flash.forward(q, k, v, shape.causal, scale, mask)
+    triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale, mask)
+    passes = {"fwd": time_ms(lambda: triton_flash.forward(q, k, v, shape.causal, scale, mask)),
+              "bwd": time_ms(lambda: triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale, mask))}
     kernels = {}
     for entry in triton_flash.tuning_log:
         times = {f"{tile}{' tma' if tma else ''}": t for (tile, tma), t in entry["times_ms"].items()}
         best = min(times, key=times.get)
         kernels[entry["kernel"]] = dict(best=best, best_ms=times[best], times_ms=times,
                                         **{k: entry[k] for k in ("registers", "spills", "wgmma")})
-    return dict(shape=str(shape), passes_ms=passes, kernels=kernels)
+    return dict(shape=str(shape), mask=family, passes_ms=passes, kernels=kernels)
 
 
 def cudnn_ms(shape: Shape) -> dict:
@@ -94,17 +116,15 @@ def cudnn_ms(shape: Shape) -> dict:
 
 
 def table(results: list[dict], cudnn: dict) -> str:
-    lines = ["| shape | fwd ms (cuDNN / ours) | bwd ms (cuDNN / ours) | fwd+bwd TFLOP/s | chosen tiles: fwd / dq / dkdv |",
+    lines = ["| shape | mask | fwd ms (cuDNN / ours) | bwd ms (cuDNN / ours) | chosen tiles: fwd / dq / dkdv |",
              "|---|---|---|---|---|"]
     for r in results:
-        ref, p = cudnn[r["shape"]], r["passes_ms"]
-        shape = next(s for s in SHAPES if str(s) == r["shape"])
-        tflops = attention_flops(shape.B, shape.nh, shape.T, shape.hs, shape.causal, "fwd+bwd") / (
-            p["fwd"] + p["bwd"]) / 1e9
+        ref, p = cudnn.get(r["shape"]), r["passes_ms"]
+        ratio = {pass_: f" ({ref[pass_] / p[pass_]:.2f})" if ref else "" for pass_ in ("fwd", "bwd")}
         tiles = " / ".join(f"{r['kernels'][k]['best']} ({r['kernels'][k]['registers']} regs, "
                            f"{r['kernels'][k]['spills']} spills)" for k in ("fwd", "dq", "dkdv"))
-        lines.append(f"| {r['shape']} | {p['fwd']:.3f} ({ref['fwd'] / p['fwd']:.2f}) | {p['bwd']:.3f} "
-                     f"({ref['bwd'] / p['bwd']:.2f}) | {tflops:.0f} | {tiles} |")
+        lines.append(f"| {r['shape']} | {r['mask']} | {p['fwd']:.3f}{ratio['fwd']} | {p['bwd']:.3f}{ratio['bwd']} "
+                     f"| {tiles} |")
     lines.append("\ncuDNN (ms): " + ", ".join(f"{s}: fwd {t['fwd']:.3f} bwd {t['bwd']:.3f}" for s, t in cudnn.items()))
     return "\n".join(lines)
 
@@ -114,26 +134,30 @@ def main(argv=None):
     p.add_argument("--out_dir", default="out/tune")
     p.add_argument("--jobs", type=int, default=1, help="> 1: compile every shape in its own process first")
     p.add_argument("--head_dims", default="64,128", help="comma-separated: only the shapes with these head dims")
-    p.add_argument("--part", type=int, default=None, help="(internal) compile only shape number PART of those kept")
+    p.add_argument("--masks", default="dense", help="dense (against cuDNN), or block-sparse: window,documents")
+    p.add_argument("--part", type=int, default=None, help="(internal) compile only job number PART")
     args = p.parse_args(argv)
-    shapes = [shape for shape in SHAPES if shape.hs in [int(d) for d in args.head_dims.split(",")]]
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    masks = args.masks.split(",")
+    jobs = [(shape, mask) for mask in masks for shape in (SHAPES if mask == "dense" else SPARSE_SHAPES)
+            if shape.hs in head_dims]
     if args.part is not None:  # a compile worker: its timings are thrown away
-        run_job(shapes[args.part])
+        run_job(*jobs[args.part])
         return
     if args.jobs > 1:
         for i, worker in enumerate([subprocess.Popen([sys.executable, "-m", "benchmarks.tune_kernels", "--part", str(i),
-                                                      "--head_dims", args.head_dims],
+                                                      "--head_dims", args.head_dims, "--masks", args.masks],
                                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                                    for i in range(len(shapes))]):
+                                    for i in range(len(jobs))]):
             err = worker.communicate()[1].decode()
             if worker.returncode:
                 print(f"compile worker {i} failed:\n{err[-1500:]}", flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cudnn = {str(s): cudnn_ms(s) for s in shapes}
+    cudnn = {str(shape): cudnn_ms(shape) for shape, mask in jobs if mask == "dense"}
     results = []
-    for shape in shapes:
-        results.append(run_job(shape))
+    for shape, mask in jobs:
+        results.append(run_job(shape, mask))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels"}), flush=True)
         write_json(out / "results.json", dict(environment=environment(torch.device("cuda")), cudnn_ms=cudnn,
                                               results=results))
