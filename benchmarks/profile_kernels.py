@@ -18,6 +18,18 @@ from benchmarks.launch_overhead import host_us
 from benchmarks.sparse import FAMILIES, GRIDS, MASKS, flex, ours, packed_document_ids
 
 
+def back_to_back_us(step, calls: int = 50) -> float:
+    """GPU time per call of calls issued back to back: no cache flush between them, the host ahead."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    step()
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
 def kernel_table(fn, shape: Shape, steps: int = 5, host: bool = False) -> str:
     q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
@@ -36,7 +48,8 @@ def kernel_table(fn, shape: Shape, steps: int = 5, host: bool = False) -> str:
     # the benchmark's timer spans kernels and the gaps between them: where it exceeds the kernels'
     # total, the GPU waited, and a host time per call near the timer's says for what
     timed = triton.testing.do_bench(step, return_mode="median") * 1e3
-    lines = [f"do_bench {timed:.0f} us per fwd+bwd; host {host_us(step):.0f} us per call (launch_overhead.host_us)",
+    lines = [f"do_bench {timed:.0f} us per fwd+bwd (L2 flushed before each call), {back_to_back_us(step):.0f} us back "
+             f"to back; host {host_us(step):.0f} us per call (launch_overhead.host_us)",
              f"{'us/call':>9} {'calls':>5}  kernel   (GPU total {total:.0f} us per fwd+bwd)"]
     for e in events[:14]:
         lines.append(f"{e.self_device_time_total / steps:9.0f} {e.count // steps:5d}  {e.key[:100]}")
