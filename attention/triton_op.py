@@ -149,7 +149,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
         return dqkv, None, None, None
 
 
-def _kernel_mask(mask) -> triton_flash.MaskArgs:
+def kernel_mask_args(mask) -> triton_flash.MaskArgs:
     """A BlockMask as the kernels' arguments (the block lists are built once per BlockMask and cached)."""
     if mask is None:
         return triton_flash.DENSE
@@ -210,7 +210,7 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
     gradient comes out of the backward as one tensor)."""
     _check_kernel_support(q)
     if qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, _kernel_mask(mask))
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, kernel_mask_args(mask))
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, _kernel_mask(mask))
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kernel_mask_args(mask))
     return (out, lse) if return_lse else out

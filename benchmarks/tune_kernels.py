@@ -27,7 +27,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import BlockMask, triton_flash
-from attention.triton_op import _kernel_mask
+from attention.triton_op import kernel_mask_args
 from benchmarks.attention import Shape
 from benchmarks.report import environment, write_json
 from benchmarks.sparse import MASKS, packed_document_ids
@@ -72,7 +72,7 @@ def time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
 
-def kernel_mask(family: str, shape: Shape) -> triton_flash.MaskArgs:
+def benchmark_mask(family: str, shape: Shape) -> triton_flash.MaskArgs:
     """The kernels' arguments for one of benchmarks/sparse.py's masks on this shape ("dense": none)."""
     if family == "dense":
         return triton_flash.DENSE
@@ -80,7 +80,7 @@ def kernel_mask(family: str, shape: Shape) -> triton_flash.MaskArgs:
         rules = dict(window=(MASKS["gpu"]["window"], 0))
     else:
         rules = dict(document_ids=packed_document_ids(shape.B, shape.T, MASKS["gpu"]["doc_lengths"], 0, "cuda"))
-    return _kernel_mask(BlockMask.from_rules(shape.T, shape.T, causal=shape.causal, device="cuda", **rules))
+    return kernel_mask_args(BlockMask.from_rules(shape.T, shape.T, causal=shape.causal, device="cuda", **rules))
 
 
 def run_job(shape: Shape, family: str = "dense") -> dict:
@@ -91,7 +91,7 @@ def run_job(shape: Shape, family: str = "dense") -> dict:
     triton_flash._best_tile.clear()
     q, k, v, do = inputs(shape)
     scale = shape.hs ** -0.5
-    mask = kernel_mask(family, shape)
+    mask = benchmark_mask(family, shape)
     o, lse = triton_flash.forward(q, k, v, shape.causal, scale, mask)
     triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale, mask)
     passes = {"fwd": time_ms(lambda: triton_flash.forward(q, k, v, shape.causal, scale, mask)),

@@ -29,6 +29,7 @@ def packed_document_ids(B, T, lengths_per_row):
         (False, (0, 0), 70, 70, torch.float32),  # each query sees only itself
         (True, (33, 0), 40, 110, torch.float16),  # Tq < Tk: new queries against a cache
         (False, (-1, 5), 77, 77, torch.float32),  # unbounded on the left
+        (False, (7, -1), 90, 60, torch.float32),  # unbounded on the right, Tq > Tk: widest distance range
     ],
 )
 def test_sliding_window_matches_fp64(causal, window, Tq, Tk, dtype):
