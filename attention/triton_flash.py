@@ -90,7 +90,7 @@ def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int 
             and (mask_block is None or mask_block % tile[0] == 0 and mask_block % tile[1] == 0)]
     if not kept:
         raise ValueError(f"a block mask with block_size={mask_block} is smaller than every {kernel} tile of the "
-                         f"kernel for head_dim {block_d}; build the BlockMask with block_size=128")
+                         f"kernel for head_dim {block_d}; build the BlockMask with block_size=64 (the default)")
     return kept
 
 

@@ -342,3 +342,37 @@ def test_compare_runs_named_variants_dense_window_and_moba(tmp_path):
     with pytest.raises(SystemExit, match="run 'bad': model: window=8 with attn='moba'"):  # checked before any run
         compare.main(["--variants", "bad:attn=moba,window=8", "--out_dir", str(tmp_path / "bad"), "--", "--device=cpu"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_sustained_report_compares_each_shape_with_its_first_implementation():
+    from benchmarks.sustained import report
+
+    def row(T, impl, do_bench_us, sustained_us):
+        return dict(family="window", B=1, nh=16, T=T, hs=128, causal=True, impl=impl, do_bench_us=do_bench_us,
+                    sustained_us=sustained_us, mj_per_call=1000.0, sm_mhz=1800.0)
+
+    rows = [row(8192, "flex", 1500.0, 1600.0), row(8192, "triton", 1250.0, 2000.0),
+            row(16384, "flex", 3000.0, 3000.0), row(16384, "triton", 3000.0, 1500.0)]
+    env = dict(gpu="NVIDIA H200", driver="1", torch="2", triton="3", date="today")
+    cells = [line.split(" | ") for line in report(rows, env).splitlines() if line.startswith("| window")]
+    assert [(c[4], c[6], c[8]) for c in cells] == [("flex", "1", "1"), ("triton", "1.2", "0.8"),
+                                                  ("flex", "1", "1"), ("triton", "1", "2")]
+
+
+def test_timeline_finds_a_slower_late_kernel_and_a_gpu_waiting_for_the_host():
+    from benchmarks.profile_kernels import timeline_table
+
+    trace, t = [], 0.0
+    for call in range(6):  # two kernels per call; "b" slows down late in the run and waits for its launch
+        for name, dur, gap, lead in (("a", 100.0, 1.0, 50.0), ("b", 200.0 if call < 3 else 260.0, 30.0, 0.0)):
+            t += gap
+            correlation = 2 * call + (name == "b")
+            trace.append(dict(cat="kernel", name=name, ts=t, dur=dur, args=dict(correlation=correlation)))
+            trace.append(dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=t - lead - 5, dur=5.0,
+                              args=dict(correlation=correlation)))
+            t += dur
+    lines = timeline_table(trace, calls=6).splitlines()
+    first, last, idle, lead, name = lines[3].split()
+    assert (name, float(first), float(last), float(idle), float(lead)) == ("b", 200, 260, 30, 0)
+    first, last, idle, lead, name = lines[2].split()
+    assert (name, float(first), float(last), float(idle), float(lead)) == ("a", 100, 100, 1, 50)

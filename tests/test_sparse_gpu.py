@@ -32,13 +32,14 @@ def test_documents(dtype, D):
                         causal=True, document_ids=ids)
 
 
-def test_mask_fn_per_head_with_blind_rows():
+@pytest.mark.parametrize("block_size", [None, 128])  # the default (64), and blocks the kernel walks in tiles
+def test_mask_fn_per_head_with_blind_rows(block_size):
     torch.manual_seed(0)
 
     def striped(b, h, q_idx, kv_idx):
         return (q_idx % 5 != 0) & ((q_idx // 100 + kv_idx // 50 + h) % 3 == 0)
 
-    block_mask = BlockMask.from_mask_fn(striped, 1, 4, 1500, 1500, device="cuda")
+    block_mask = BlockMask.from_mask_fn(striped, 1, 4, 1500, 1500, block_size=block_size, device="cuda")
     assert_matches_fp64(*qkv(B=2, Hq=4, Hkv=1, Tq=1500, Tk=1500, D=64, dtype=torch.bfloat16, device="cuda"),
                         causal=True, block_mask=block_mask)
 
