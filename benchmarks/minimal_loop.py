@@ -26,9 +26,10 @@ from training.config import ConfigError, parse_args
 from training.distributed import World
 
 
-def make_step(cfg, world: World) -> tuple[Callable[[], None], torch.device, torch.dtype]:
+def make_step(cfg, world: World, compile_mode: str = "default") -> tuple[Callable[[], None], torch.device, torch.dtype]:
     """-> (step, device, dtype): step() runs one training step (forward and backward over the
-    gradient-accumulation micro-batches, clip, AdamW) of a model built from cfg, without syncing."""
+    gradient-accumulation micro-batches, clip, AdamW) of a model built from cfg, without syncing.
+    compile_mode: torch.compile's mode when cfg.compile ("reduce-overhead" replays CUDA graphs)."""
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
     torch.manual_seed(cfg.seed)
@@ -37,7 +38,7 @@ def make_step(cfg, world: World) -> tuple[Callable[[], None], torch.device, torc
     model = GPT(cfg.gpt_config()).to(device)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     if cfg.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=compile_mode)
     loader = open_loader(cfg, "train", world)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)

@@ -79,6 +79,9 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend per round")
     p.add_argument("--profile_steps", type=int, default=3, help="steps per backend under torch.profiler (0: none)")
+    p.add_argument("--compile_mode", default="default", choices=("default", "reduce-overhead"),
+                   help="torch.compile mode; reduce-overhead replays CUDA graphs, so the host's time to issue a step no "
+                        "longer counts")
     p.add_argument("--trace", action="store_true", help="also write each backend's profiled steps as trace_<backend>.json")
     p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-train-step/")
     args, train_argv = p.parse_known_args(argv)
@@ -87,7 +90,7 @@ def main(argv=None) -> dict:
     steps, cfgs = {}, {}
     for name in args.backends.split(","):
         cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
-        steps[name], device, dtype = make_step(cfgs[name], world)
+        steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode)
         timed_steps(steps[name], device, args.warmup)
     step_ms = {name: [] for name in steps}
     for _ in range(args.rounds):
@@ -98,7 +101,8 @@ def main(argv=None) -> dict:
     tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size)
     results = {"environment": environment(device), "dtype": str(dtype).removeprefix("torch."),
                "settings": dict(model=cfg.model, batch_size=cfg.batch_size, block_size=cfg.block_size,
-                                tokens_per_step=tokens, compile=cfg.compile, warmup=args.warmup,
+                                tokens_per_step=tokens, compile=cfg.compile, compile_mode=args.compile_mode,
+                                warmup=args.warmup,
                                 rounds=args.rounds, steps=args.steps, profile_steps=args.profile_steps),
                "backends": {}}
     out_dir = Path(args.out_dir or f"benchmarks/results/{results['environment']['date'][:10]}-"
@@ -136,7 +140,7 @@ def report(results: dict) -> str:
         "# Training step by attention backend\n",
         f"{env['gpu'] or env['device']}, torch {env['torch']}, triton {env['triton']}, {results['dtype']}, "
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
-        f"per step), compile={s['compile']}. Median of {s['rounds']} rounds x {s['steps']} steps per backend, "
+        f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds x {s['steps']} steps per backend, "
         f"rounds interleaved, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
         f"returning, before the GPU is done); GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
