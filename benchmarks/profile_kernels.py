@@ -11,6 +11,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -42,7 +43,7 @@ def kernel_timeline(step, calls: int = 30) -> str:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
+        trace = json.loads(Path(f.name).read_text())["traceEvents"]
     return timeline_table(trace, calls)
 
 
@@ -54,7 +55,8 @@ def timeline_table(trace: list[dict], calls: int) -> str:
     the GPU waited for the host to launch it)."""
     launches = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in trace
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
     per_call = len(kernels) // calls
     rows = {}  # position in the call -> (name, durations, idle before, host lead)
     for i, e in enumerate(kernels[:per_call * calls]):
@@ -127,7 +129,8 @@ def main(argv=None):
     args.backend = "triton"
     shape = Shape(max(1, args.tokens // args.T), args.width // args.hs, args.T, args.hs, causal=True, group="grid")
     ids = packed_document_ids(shape.B, shape.T, args.doc_lengths, 0, "cuda") if args.family == "documents" else None
-    print(f"{args.family} {shape}\n-- ours (triton)\n{kernel_table(ours(args.family, args, ids), shape, host=args.host, timeline=args.timeline)}")
+    table = kernel_table(ours(args.family, args, ids), shape, host=args.host, timeline=args.timeline)
+    print(f"{args.family} {shape}\n-- ours (triton)\n{table}")
     if args.flex:
         flex_fn = flex(args.family, args, ids, shape, torch.device("cuda"))
         print(f"-- flex\n{kernel_table(flex_fn, shape, timeline=args.timeline)}")

@@ -88,8 +88,9 @@ def implementations(family: str, shape: Shape, args, device) -> dict:
     ids = packed_document_ids(shape.B, shape.T, args.doc_lengths, 0, device) if family == "documents" else None
     impls = {"flex": flex(family, args, ids, shape, device)}
     for block_size in args.block_sizes:
-        mask = BlockMask.from_rules(shape.T, shape.T, causal=True, window=(args.window, 0) if family == "window" else None,
-                                    document_ids=ids, block_size=block_size, device=device)
+        window = (args.window, 0) if family == "window" else None
+        mask = BlockMask.from_rules(shape.T, shape.T, causal=True, window=window, document_ids=ids,
+                                    block_size=block_size, device=device)
         impls[f"triton, blocks of {block_size}"] = (
             lambda q, k, v, causal, mask=mask: attention(q, k, v, causal=causal, backend="triton", block_mask=mask))
     return impls
@@ -112,12 +113,12 @@ def measure(family: str, shape: Shape, args, device, nvml: Nvml) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], env: dict) -> str:
+def report(rows: list[dict], env: dict, seconds: float) -> str:
     header = ["family", "T", "hs", "causal", "implementation", "do_bench us", "x ref", "sustained us", "x ref",
               "mJ / call", "SM MHz"]
     table, reference = [], None
     for row in rows:
-        if reference is None or (reference["family"], reference["T"], reference["hs"]) != (row["family"], row["T"], row["hs"]):
+        if reference is None or any(reference[key] != row[key] for key in ("family", "T", "hs")):
             reference = row  # the first implementation of each shape
         table.append([row["family"], row["T"], row["hs"], row["causal"], row["impl"], fmt(row["do_bench_us"]),
                       fmt(reference["do_bench_us"] / row["do_bench_us"]), fmt(row["sustained_us"]),
@@ -125,9 +126,11 @@ def report(rows: list[dict], env: dict) -> str:
                       fmt(row["sm_mhz"])])
     return (f"# Attention under sustained load\n\n{env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
             f"triton {env['triton']}, bf16, forward+backward, {env['date']}.\n\n"
-            "- do_bench: median, L2 flushed before each call, 100 ms per implementation (benchmarks/attention.py's timer)\n"
-            "- sustained: calls back to back for the stated seconds after 0.5 s of the same; energy from NVML's counter; "
-            "SM clock sampled every 20 calls\n- x ref: the first implementation's time / this one's (above 1: faster)\n\n"
+            "- do_bench: median, L2 flushed before each call, 100 ms per implementation "
+            "(benchmarks/attention.py's timer)\n"
+            f"- sustained: calls back to back for {seconds:g} s after 0.5 s of the same; energy from NVML's "
+            "counter; SM clock sampled every 20 calls\n"
+            "- x ref: the first implementation's time / this one's (above 1: faster)\n\n"
             + markdown_table(header, table))
 
 
@@ -153,8 +156,8 @@ def main(argv=None):
             rows += measure(args.family, shape, args, device, nvml)
     env = environment(device)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(args.out_dir / f"{args.family}.json", dict(environment=env, rows=rows))
-    text = report(rows, env)
+    write_json(args.out_dir / f"{args.family}.json", dict(environment=env, seconds=args.seconds, rows=rows))
+    text = report(rows, env, args.seconds)
     (args.out_dir / f"{args.family}.md").write_text(text)
     print(text)
 

@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend per round")
     p.add_argument("--profile_steps", type=int, default=3, help="steps per backend under torch.profiler (0: none)")
     p.add_argument("--compile_mode", default="default", choices=("default", "reduce-overhead"),
-                   help="torch.compile mode; reduce-overhead replays CUDA graphs, so the host's time to issue a step no "
-                        "longer counts")
+                   help="torch.compile mode; reduce-overhead replays CUDA graphs, so the host's time to issue a "
+                        "step no longer counts")
     p.add_argument("--trace", action="store_true", help="also write each backend's profiled steps as trace_<backend>.json")
     p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-train-step/")
     args, train_argv = p.parse_known_args(argv)
@@ -140,7 +140,8 @@ def report(results: dict) -> str:
         "# Training step by attention backend\n",
         f"{env['gpu'] or env['device']}, torch {env['torch']}, triton {env['triton']}, {results['dtype']}, "
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
-        f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds x {s['steps']} steps per backend, "
+        f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds "
+        f"x {s['steps']} steps per backend, "
         f"rounds interleaved, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
         f"returning, before the GPU is done); GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "

@@ -354,7 +354,9 @@ def test_sustained_report_compares_each_shape_with_its_first_implementation():
     rows = [row(8192, "flex", 1500.0, 1600.0), row(8192, "triton", 1250.0, 2000.0),
             row(16384, "flex", 3000.0, 3000.0), row(16384, "triton", 3000.0, 1500.0)]
     env = dict(gpu="NVIDIA H200", driver="1", torch="2", triton="3", date="today")
-    cells = [line.split(" | ") for line in report(rows, env).splitlines() if line.startswith("| window")]
+    text = report(rows, env, seconds=1.5)
+    assert "back to back for 1.5 s" in text
+    cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| window")]
     assert [(c[4], c[6], c[8]) for c in cells] == [("flex", "1", "1"), ("triton", "1.2", "0.8"),
                                                   ("flex", "1", "1"), ("triton", "1", "2")]
 
