@@ -1,12 +1,12 @@
 """Probe: the forward with the lazy rescale (§2) against the forward before it, side by side with cuDNN.
 
-    git apply lazy_rescale.patch   # the kernel as measured
+    git apply benchmarks/results/2026-11-22-h200-lazy-rescale/lazy_rescale.patch   # the kernel as measured
     git show HEAD:attention/triton_flash.py > /tmp/baseline_flash.py
     PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-lazy-rescale/lazy_probe.py /tmp/baseline_flash.py OUT_DIR
 
 baseline_flash.py: attention/triton_flash.py as of the commit before the change (git show). Variants per
 cell: cudnn, baseline, lazy (each Triton module tunes its own tile), and lazy capped at 128 registers at
-hs=64 (ptxas gives the lazy kernel 148-165 registers where the baseline took 128, which halves the
+hs=64 (ptxas gives the lazy kernel 148-167 registers where the baseline took 128, which halves the
 8-warp tile's blocks per SM). Rounds are interleaved so clock drift hits every variant alike."""
 import importlib.util
 import json
