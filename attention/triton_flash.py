@@ -7,6 +7,8 @@ Kernels, in the order a training step runs them:
                    its rows (§5)
   _attn_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV summed over the query heads
                    of its group (§5, §7); reads the Delta the dQ kernel wrote
+On Hopper the forward's tuner also times the warp-specialized forward of triton_hopper.py (§12) and
+keeps the faster per shape.
 No atomics: each output element is written by exactly one program, in a fixed order, so the
 gradients are bit-identical from run to run.
 
@@ -22,11 +24,16 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import triton_hopper
+
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # §9 tensor-descriptor (TMA) loads in the forward: opt-in (docs/perf_notes.md has what they cost and gain)
 TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
+# §12 the warp-specialized Hopper forward (triton_hopper.py): "auto" times it against the `tl` forward,
+# "1" takes it without timing wherever it can run, "0" never
+HOPPER_MODE = os.environ.get("NANOFLASH_HOPPER", "auto")
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
@@ -102,24 +109,29 @@ tuning_log: list | None = None
 
 
 def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,
-            block: int | None = None, tma: tuple[bool, ...] | None = None) -> None:
+            block: int | None = None, loads: tuple[str, ...] | None = None, hopper=None) -> None:
     """Launch jit_fn with the fastest tile for this call's key, timing the candidates on first use (§9).
     args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists
     are cut in tiles, attention/triton_moba.py). block: a size the tiles must divide (§10, §11).
-    tma: the values of the kernel's TMA switch to time with every tile ((False,) where descriptors
-    cannot read the tensors); None for a kernel without the switch.
+    loads: the settings of the kernel's TMA switch to time with every tile, "tma" (descriptor loads)
+    and "pointers", or only "pointers" where descriptors cannot read the tensors; None for a kernel
+    without the switch. hopper: (tiles, launch) of the warp-specialized forward (§12) where it can run
+    the call, timed beside jit_fn's tiles; launch(tile) runs it.
 
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
     GPT-2's shape on the H200 box (benchmarks/launch_overhead.py); here the key is a small tuple."""
-    if tma is not None and True in tma:
+    if loads is not None and "tma" in loads:
         # device-side tensor descriptors live in a scratch buffer the launch allocates; the setting is
         # per thread (a context variable), and autograd runs the backward on a thread of its own
         triton.set_allocator(_scratch_allocator)
 
     def run(choice):
-        (block_m, block_n, warps, stages), use_tma = choice
-        switch = {} if use_tma is None else {"TMA": use_tma}
+        tile, variant = choice
+        if variant == "hopper":
+            return hopper[1](tile)
+        block_m, block_n, warps, stages = tile
+        switch = {} if variant is None else {"TMA": variant == "tma"}
         return jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
                                                       **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                                                       num_stages=stages)
@@ -131,12 +143,15 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         except OutOfResources:
             return float("inf")
 
-    key = (kernel, tuple(constants.items()), tma, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
+    key = (kernel, tuple(constants.items()), loads, hopper is not None, dtype, triton.next_power_of_2(Tq),
+           triton.next_power_of_2(Tk))
     choice = _best_tile.get(key)
     if choice is None:
-        # descriptor loads first: with tuning off they are the ones taken, where the tensors allow them
-        candidates = [(tile, use_tma) for tile in candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
-                      for use_tma in (sorted(tma, reverse=True) if tma is not None else [None])]
+        # in the caller's order of loads (descriptors first: with tuning off they are the ones taken, where the
+        # tensors allow them); the Hopper kernel's tiles last, so tuning off never takes them
+        candidates = [(tile, variant) for tile in candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
+                      for variant in (loads or [None])]
+        candidates += [(tile, "hopper") for tile in (hopper[0] if hopper else [])]
         if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" or INTERPRET:
             _best_tile[key] = _first_that_fits(candidates, run)  # launched: this call is done
             return
@@ -733,10 +748,17 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
             *_mask_args(mask, mask.kv_blocks, Tk))
-    # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run
+    hopper = None
+    if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
+        if HOPPER_MODE == "1":
+            triton_hopper.forward(q, k, v, o, lse, causal, scale, triton_hopper.TILES[D][0])
+            return o, lse
+        hopper = (triton_hopper.TILES[D], lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile))
+    # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
+    # §12 on Hopper the warp-specialized kernel's tiles beside them
     _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
             _constants(q, causal, mask), Tq, Tk, q.dtype, _tiles_divide(mask),
-            tma=(False, True) if _use_tma(q, k, v, o) else (False,))
+            loads=("tma", "pointers") if _use_tma(q, k, v, o) else ("pointers",), hopper=hopper)
     return o, lse
 
 

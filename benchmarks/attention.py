@@ -191,6 +191,17 @@ def median_ms(step, grads, device: torch.device, rep_ms: float) -> float:
     return statistics.median(times) * 1e3
 
 
+def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
+    """Matmuls back to back for a while: an idle GPU clocks down (the H200 idles at 345 MHz), and the first
+    cells of a run were timed while its clock came back up (cuDNN's GPT-2 forward at 0.147 ms, 0.085 later)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
+
+
 def pass_step(fn, pass_: str, q, k, v, dout, causal: bool):
     """The callable to time for one pass. The forward runs with autograd on, as in training."""
     if pass_ == "fwd":
@@ -295,6 +306,8 @@ def run(args) -> Path:
         except Exception as e:  # e.g. FlexAttention missing from an older torch
             factories[name] = f"skipped: backend unavailable ({first_line(e)})"
 
+    if device.type == "cuda":
+        warm_up_gpu(device)
     bar = tqdm(total=len(shapes) * len(args.backends), unit="cell")
     for shape in shapes:
         # A fresh Dynamo per shape: the compiled backends never reach the recompile limit over the grid,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The commands we run on the lent GPU machine (H200), one stage per call:
-#   bash benchmarks/gpu_session.sh env|tests|bench|sparse|tune|train|step|reuse [extra args for that stage]
+#   bash benchmarks/gpu_session.sh env|tests|hopper|bench|sparse|tune|train|step|reuse [extra args for that stage]
 # Results go under $OUT (the device tool copies it back); without $OUT, under out/gpu/.
 # Offline inputs (tiktoken's GPT-2 BPE files, tiny shakespeare) travel in .gpu_carry/.
 set -uo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-stage=${1:?stage: env|tests|bench|sparse|tune|train|step|reuse}; shift
+stage=${1:?stage: env|tests|hopper|bench|sparse|tune|train|step|reuse}; shift
 
 log() { tee -a "$OUT/$stage.log"; }
 
@@ -24,6 +24,9 @@ case $stage in
 env) ;;
 tests)  # every GPU-marked test: the kernel's float64 checks in bf16/fp16, determinism, compile
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 tests "$@" 2>&1 | log ;;
+hopper)  # the warp-specialized Hopper forward (§12): what ptxas made of it with this Triton, then its GPU tests
+  TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build 2>&1 | grep '^{' | log
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs -v tests/test_triton_hopper.py "$@" 2>&1 | log ;;
 bench)  # the kernel benchmark into out/$BENCH_DIR; args go to benchmarks.attention (--backends ...)
   dir=${BENCH_DIR:-bench}
   # .gpu_carry/$dir/results.json from an earlier call lets --resume skip cells already measured

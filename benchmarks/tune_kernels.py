@@ -98,7 +98,8 @@ def run_job(shape: Shape, family: str = "dense") -> dict:
               "bwd": time_ms(lambda: triton_flash.backward(do, q, k, v, o, lse, shape.causal, scale, mask))}
     kernels = {}
     for entry in triton_flash.tuning_log:
-        times = {f"{tile}{' tma' if tma else ''}": t for (tile, tma), t in entry["times_ms"].items()}
+        times = {f"{tile}{' ' + variant if variant in ('tma', 'hopper') else ''}": t
+                 for (tile, variant), t in entry["times_ms"].items()}
         best = min(times, key=times.get)
         kernels[entry["kernel"]] = dict(best=best, best_ms=times[best], times_ms=times,
                                         **{k: entry[k] for k in ("registers", "spills", "wgmma")})

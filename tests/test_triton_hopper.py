@@ -1,0 +1,122 @@
+"""The warp-specialized Hopper forward (attention/triton_hopper.py, §12). Gluon has no CPU interpreter, so
+on the CPU these tests check when the kernel is used and that it builds for sm_90 with the installed
+Triton; its numbers are checked on the GPU (marked gpu), against float64 like every other kernel."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+
+from test_triton import ROOT, assert_matches_fp64, assert_qkvpacked_matches_fp64, qkv
+
+from attention import triton_flash, triton_hopper
+
+needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
+
+
+def aligned(B=2, H=4, T=256, D=64, dtype=torch.bfloat16):
+    return torch.randn(B, H, T, D, dtype=dtype)
+
+
+@needs_gluon
+def test_supports_only_what_the_kernel_runs(monkeypatch):
+    # on a CPU box the GPU check fails first; pretend to be an H100/H200 to check the other rules
+    q = aligned()
+    assert not triton_hopper.supports(q, q, q, dense=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_hopper, "_is_hopper", lambda device: True)
+    assert triton_hopper.supports(q, q, q, dense=True)
+    assert triton_hopper.supports(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, dense=True)  # any strides
+    assert triton_hopper.supports(aligned(D=128, dtype=torch.float16), aligned(H=2, D=128, dtype=torch.float16),
+                                  aligned(H=2, D=128, dtype=torch.float16), dense=True)  # GQA
+    assert not triton_hopper.supports(q, q, q, dense=False)  # block masks: the `tl` kernel walks their lists
+    assert not triton_hopper.supports(*(aligned(dtype=torch.float32),) * 3, dense=True)  # wgmma here: 16-bit only
+    assert not triton_hopper.supports(*(aligned(D=96),) * 3, dense=True)  # head dims without tuned tiles
+    odd = torch.randn(2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 64)  # start not 16-byte aligned
+    assert not triton_hopper.supports(odd, q, q, dense=True)
+    assert not triton_hopper.supports(q, q.transpose(-1, -2).contiguous().transpose(-1, -2), q, dense=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_hopper.supports(q, q, q, dense=True)
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim, causal, tile", [(64, 1, triton_hopper.TILES[64][0]),
+                                                    (128, 0, triton_hopper.TILES[128][0])])
+def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim, causal, tile):
+    # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are.
+    # Catches a Gluon API change in the installed Triton, and a change that makes the kernel spill.
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", str(head_dim), "--causal",
+                          str(causal), "--tile", ",".join(map(str, tile))], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.splitlines()[-1])
+    assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
+    assert built["spill_stores"] == 0 and built["local_bytes"] == 0 and built["stack_bytes"] == 0, built
+
+
+# --- on the GPU -------------------------------------------------------------------------------------------------
+CASES = [  # dtype, D, causal, B, Hq, Hkv, Tq, Tk
+    (torch.bfloat16, 64, True, 2, 4, 4, 1000, 1000),  # ragged last tile, rows split across the two warpgroups
+    (torch.float16, 128, False, 1, 4, 1, 777, 777),  # MQA, ragged
+    (torch.bfloat16, 128, True, 2, 8, 2, 2048, 2048),  # GQA
+    (torch.float16, 64, True, 2, 4, 2, 300, 1000),  # Tq < Tk
+    (torch.bfloat16, 64, True, 2, 4, 2, 1000, 300),  # Tq > Tk: 700 rows see no key, whole programs among them
+    (torch.bfloat16, 128, False, 1, 2, 2, 50, 50),  # shorter than one tile
+    (torch.float16, 64, False, 1, 2, 2, 8200, 8200),  # long and ragged
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, D, causal, B, Hq, Hkv, Tq, Tk", CASES)
+def test_matches_fp64_forward_and_backward(monkeypatch, dtype, D, causal, B, Hq, Hkv, Tq, Tk):
+    # NANOFLASH_HOPPER=1: the forward is this kernel, the backward reads its lse
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+    torch.manual_seed(0)
+    q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, dtype, device="cuda")
+    assert triton_hopper.supports(q, k, v, dense=True)
+    assert_matches_fp64(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+def test_packed_qkv_layout(monkeypatch):
+    # GPT-2's fused projection: q, k, v are strided views of one (B, T, 3, H, D) tensor
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+    torch.manual_seed(0)
+    assert_qkvpacked_matches_fp64(torch.randn(2, 1000, 3, 12, 64, dtype=torch.bfloat16, device="cuda"))
+
+
+def exact_lse(q, k, causal):
+    """float64 log-sum-exp of each row's scaled scores (+inf for a row that sees no key)."""
+    group = q.shape[1] // k.shape[1]
+    scores = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        Tq, Tk = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq).logical_not(),
+                                    float("-inf"))
+    return torch.logsumexp(scores, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
+    # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl` kernel's
+    torch.manual_seed(0)
+    q, k, v = qkv(2, 4, 2, 1000, 1000, D, torch.bfloat16, device="cuda")
+    o, lse = triton_flash.empty_bthd(2, 4, 1000, D, q), torch.empty(2, 4, 1000, device="cuda")
+    triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
+                                                             enable_gqa=True)
+    math = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert (o.double() - exact).abs().max() <= 2 * (math.double() - exact).abs().max() + 1e-5
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+    lse_tl = triton_flash.forward(q, k, v, causal, D ** -0.5)[1]
+    lse_exact = exact_lse(q, k, causal)
+    assert (lse.double() - lse_exact).abs().max() <= 2 * (lse_tl.double() - lse_exact).abs().max() + 1e-5
