@@ -750,10 +750,11 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
             *_mask_args(mask, mask.kv_blocks, Tk))
     hopper = None
     if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
+        tiles = triton_hopper.tiles(D, causal)
         if HOPPER_MODE == "1":
-            triton_hopper.forward(q, k, v, o, lse, causal, scale, triton_hopper.TILES[D][0])
+            triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0])
             return o, lse
-        hopper = (triton_hopper.TILES[D], lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile))
+        hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,

