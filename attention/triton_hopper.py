@@ -2,9 +2,10 @@
 
 The math is triton_flash.py's forward (§2 online softmax, §4 log-sum-exp, §6 causal alignment, §8 exp2
 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
-multiplies and runs the softmax in turn. Here a program (128 query rows of one batch, head) splits:
+multiplies and runs the softmax in turn. Here a program takes work items, 128 query rows of one (batch, head)
+each (one item, or with a persistent grid a share of them: _work_item), and splits:
 
-  _load_tiles         a producer warp: Q once, then K_j, V_j by TMA into a ring of STAGES shared-memory
+  _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into a ring of STAGES shared-memory
                       slots, each slot refilled as soon as both consumers are done with it;
   _softmax_rows       two consumer warpgroups of 64 rows each: the online softmax over the key tiles,
                       S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma) so the softmax
@@ -15,13 +16,15 @@ hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-lev
 layouts, shared memory, barriers and warp partitions explicit. The tuner of triton_flash.forward times
 this kernel against the `tl` one on sm_90 and keeps the faster for each shape; on the H200 that is this
 kernel for hs=128 at long sequences, the `tl` kernel at GPT-2's T=1024 (perf notes). Gluon has no CPU
-interpreter: its tests run on the GPU (tests/test_triton_gpu.py), and CI compiles it for sm_90.
+interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90
+(benchmarks/hopper_build.py).
 
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land):
   kv_ready[s]  the copy engine arrives when K_j and V_j (2 tiles of bytes, announced with expect) are in;
   kv_empty[s]  count 2: each consumer warpgroup arrives when it has finished reading K_j and V_j.
-The j-th key tile lives in slot j % STAGES, in that slot's phase (j // STAGES) & 1. No barrier spans the
-whole program, so neither warpgroup waits for the other.
+  q_ready, q_empty  the same for the item's Q (one buffer, refilled once both consumers are past their last S).
+The j-th key tile a program loads (counted over its items) lives in slot j % STAGES, in that slot's phase
+(j // STAGES) & 1. No barrier spans the whole program, so neither warpgroup waits for the other.
 """
 import functools
 import os

@@ -1,8 +1,9 @@
 """Probe: the warp-specialized forward with a program per 128-row tile (commit ec2a96f's
-attention/triton_hopper.py, copied to .gpu_carry/triton_hopper_per_tile.py) against the same kernel with a
-persistent grid where the mask is not causal (the package's attention/triton_hopper.py), beside cuDNN and the
-`tl` forward, on the benchmark grid. Forward only, bf16, do_bench median; every output checked against cuDNN's.
+attention/triton_hopper.py) against the work-item kernel of the package's attention/triton_hopper.py launched
+persistent where the mask is not causal (a program per tile under it), beside cuDNN and the `tl` forward, on the
+benchmark grid. Forward only, bf16, do_bench median; every output checked against cuDNN's.
 
+    git show ec2a96f:attention/triton_hopper.py > .gpu_carry/triton_hopper_per_tile.py
     PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-hopper-forward/persistent_probe.py > $OUT/persistent.jsonl
 """
 import importlib.util
@@ -30,9 +31,10 @@ for B, H, T, D, causal in CELLS:
     triton_flash.HOPPER_MODE = "0"
     runs["tl"] = lambda: triton_flash.forward(q, k, v, causal, D ** -0.5)
     o, lse = triton_flash.empty_bthd(B, H, T, D, q), torch.empty(B, H, T, device="cuda")
-    for tile in triton_hopper.TILES[D]:
+    for tile in per_tile.TILES[D]:  # (BLOCK_N, STAGES)
         runs[f"per_tile{tile}"] = lambda tile=tile: per_tile.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
-        runs[f"persistent{tile}"] = lambda tile=tile: triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
+        runs[f"persistent{tile}"] = lambda tile=tile: triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5,
+                                                                            (*tile, not causal))
     for name, fn in runs.items():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             result = fn()
