@@ -702,8 +702,7 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
     16-byte aligned. Other layouts take the pointer loads, which read any strides."""
     if TMA_MODE != "1" or not (INTERPRET or _hopper_or_newer(tensors[0].device)):
         return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
+    return triton_hopper.tma_can_read(*tensors)
 
 
 class MaskArgs(NamedTuple):

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton decides at import whether kernels run compiled or in its CPU interpreter, which has no Gluon
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Gluon is experimental and its API moves between releases: this file is written for, and compiled with, Triton
 # 3.6 (the GPU box) and 3.9 (CI). Older Triton has no Gluon or another API; the `tl` forward then runs everywhere.
 gluon = None
@@ -259,18 +261,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def tma_can_read(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine (TMA) reads these tensors: unit stride along the head dim, every other stride
+    and the start 16-byte aligned (also the `tl` forward's descriptor loads' rule, triton_flash._use_tma)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
     """Whether this kernel can run the call: Gluon present, an sm_90 GPU (wgmma is Hopper's alone), a dense
-    mask, fp16/bf16, head dim 64 or 128, and tensors the copy engine reads (unit stride along the head
-    dim, other strides and the start 16-byte aligned). Anything else takes the `tl` forward."""
-    if gluon is None or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter does not run Gluon
+    mask, fp16/bf16, head dim 64 or 128, and tensors the copy engine reads. Anything else takes the `tl` forward."""
+    if gluon is None or INTERPRET:  # the interpreter does not run Gluon
         return False
     if not dense or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in TILES:
         return False
-    if not _is_hopper(q.device):
-        return False
-    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in (q, k, v))
+    return _is_hopper(q.device) and tma_can_read(q, k, v)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":

@@ -26,7 +26,7 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     # on a CPU box the GPU check fails first; pretend to be an H100/H200 to check the other rules
     q = aligned()
     assert not triton_hopper.supports(q, q, q, dense=True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_hopper, "INTERPRET", False)
     monkeypatch.setattr(triton_hopper, "_is_hopper", lambda device: True)
     assert triton_hopper.supports(q, q, q, dense=True)
     assert triton_hopper.supports(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, dense=True)  # any strides
@@ -38,7 +38,7 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     odd = torch.randn(2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 64)  # start not 16-byte aligned
     assert not triton_hopper.supports(odd, q, q, dense=True)
     assert not triton_hopper.supports(q, q.transpose(-1, -2).contiguous().transpose(-1, -2), q, dense=True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_hopper, "INTERPRET", True)
     assert not triton_hopper.supports(q, q, q, dense=True)
 
 
