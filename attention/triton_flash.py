@@ -7,10 +7,12 @@ Kernels, in the order a training step runs them:
                    its rows (§5)
   _attn_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV summed over the query heads
                    of its group (§5, §7); reads the Delta the dQ kernel wrote
-On Hopper the forward's tuner also times the warp-specialized forward of triton_hopper.py (§12) and
-keeps the faster per shape.
-No atomics: each output element is written by exactly one program, in a fixed order, so the
-gradients are bit-identical from run to run.
+On Hopper the forward's tuner also times the warp-specialized forward of triton_hopper.py (§12), and
+the backward's the warp-specialized backward of triton_hopper_backward.py (§13), keeping the faster
+per shape.
+No atomics in these kernels: each output element is written by exactly one program, in a fixed
+order, so their gradients are bit-identical from run to run. The Hopper backward adds dQ up with
+atomics; it steps aside under torch.use_deterministic_algorithms(True).
 
 Shape comments: M = BLOCK_M query rows, N = BLOCK_N key rows, D = BLOCK_D, the head dim padded to
 a power of two (columns >= HEAD_DIM load as 0 and are never stored, so nothing is copied).
@@ -24,15 +26,15 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import triton_hopper
+from . import triton_hopper, triton_hopper_backward
 
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # §9 tensor-descriptor (TMA) loads in the forward: opt-in (docs/perf_notes.md has what they cost and gain)
 TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
-# §12 the warp-specialized Hopper forward (triton_hopper.py): "auto" times it against the `tl` forward,
-# "1" takes it without timing wherever it can run, "0" never
+# §12, §13 the warp-specialized Hopper forward and backward (triton_hopper.py, triton_hopper_backward.py):
+# "auto" times them against the `tl` kernels, "1" takes them without timing wherever they can run, "0" never
 HOPPER_MODE = os.environ.get("NANOFLASH_HOPPER", "auto")
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
@@ -769,6 +771,50 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
+    # §13 on Hopper the warp-specialized backward (five matmuls, dQ by atomic adds) competes with the two `tl`
+    # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
+    # depend on the order the adds land in
+    if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
+            and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
+        hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
+        stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, causal, scale, mask, dq, dk, dv), hopper,
+                                  triton_hopper_backward.TILES[D],
+                                  (D, causal, q.dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)))
+        if stages is not None:
+            hopper(stages)
+            return dq, dk, dv
+    _tl_backward(do, q, k, v, o, lse, causal, scale, mask, dq, dk, dv)
+    return dq, dk, dv
+
+
+# tuning key -> the backward's choice on Hopper: None (the `tl` kernels) or the Hopper kernel's STAGES
+_best_backward: dict[tuple, int | None] = {}
+
+
+def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple) -> int | None:
+    """The backward for key: None for the `tl` kernels (each with its own tuned tile, _launch), or the Hopper
+    kernel's stage count; on the key's first call the candidates are timed (§9), each run writing the gradients,
+    which the caller's run then writes again."""
+    if key not in _best_backward:
+        if HOPPER_MODE == "1":
+            _best_backward[key] = stages[0]
+        elif os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0":
+            _best_backward[key] = None
+        else:
+            tl_backward()  # tunes the `tl` kernels' tiles first, so their time below is the tuned one
+            run = {None: tl_backward, **{s: functools.partial(hopper_backward, s) for s in stages}}
+            times = {choice: triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+                     for choice, fn in run.items()}
+            _best_backward[key] = min(times, key=times.get)
+            if tuning_log is not None:
+                tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))
+    return _best_backward[key]
+
+
+def _tl_backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, dq, dk, dv) -> None:
+    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
     delta = torch.empty_like(lse)
     constants = _constants(q, causal, mask)
     seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
@@ -782,4 +828,3 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
             (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
              *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype,
             _tiles_divide(mask))
-    return dq, dk, dv

@@ -24,9 +24,11 @@ case $stage in
 env) ;;
 tests)  # every GPU-marked test: the kernel's float64 checks in bf16/fp16, determinism, compile
   timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m gpu -rs --durations=15 tests "$@" 2>&1 | log ;;
-hopper)  # the warp-specialized Hopper forward (§12): what ptxas made of it with this Triton, then its GPU tests
+hopper)  # the warp-specialized Hopper forward and backward (§12, §13): what ptxas made of them, then their GPU tests
   TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build 2>&1 | grep '^{' | log
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs -v tests/test_triton_hopper.py "$@" 2>&1 | log ;;
+  TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build --backward 2>&1 | grep '^{' | log
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -rs -v tests/test_triton_hopper.py \
+    tests/test_triton_hopper_backward.py "$@" 2>&1 | log ;;
 bench)  # the kernel benchmark into out/$BENCH_DIR; args go to benchmarks.attention (--backends ...)
   dir=${BENCH_DIR:-bench}
   # .gpu_carry/$dir/results.json from an earlier call lets --resume skip cells already measured

@@ -1,10 +1,12 @@
-"""Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) for sm_90 without a GPU, and
-print what the compiler made of each tile: registers, spills, wgmma (HGMMA) and barrier instructions in the
-SASS, shared memory. For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper.py runs it
-in CI, so a Gluon API change in a new Triton, or a change that makes the kernel spill, fails there.
+"""Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
+(attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
+tile: registers, spills, wgmma (HGMMA), barrier and vector-reduction instructions in the SASS, shared memory.
+For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
+change in a new Triton, or a change that makes a kernel spill, fails there.
 
     python -m benchmarks.hopper_build                               # every tile of both head dims
     python -m benchmarks.hopper_build --head_dim 64 --tile 128,3 --sass out.sass
+    python -m benchmarks.hopper_build --backward                    # the backward, every STAGES
 
 The causal mask and the grid (persistent or not) are arguments of the launch, not of the build.
 
@@ -21,27 +23,54 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
-from attention import triton_hopper
+from attention import triton_hopper, triton_hopper_backward
+
+
+def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
+    """kernel for bf16 inputs, compiled as a launch on an H100/H200 would compile it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    params = list(inspect.signature(kernel.fn).parameters)
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(params.index(name),): value for name, value in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=launch_regs))
+
+
+def _descriptor_type(rows: int, head_dim: int, layout=None) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = layout or gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
+    return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
 def build(head_dim: int, tile: tuple[int, int]):
-    """The kernel for bf16 inputs, compiled as a launch on an H100/H200 would compile it; tile: (BLOCK_N, STAGES)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
+    """The forward for bf16 inputs; tile: (BLOCK_N, STAGES)."""
     block_n, stages = tile
-    layout = lambda rows: gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)  # noqa: E731
-    desc = lambda rows: f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout(rows)}>"  # noqa: E731
-    signature = dict(q_desc=desc(triton_hopper.ROWS.value), k_desc=desc(block_n), v_desc=desc(block_n), O="*bf16",
+    signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
+                     k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim), O="*bf16",
                      LSE="*fp32", stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32",
                      Tk="i32", diag="i32", scale="fp32", n_work="i32")
-    constants = dict(BLOCK_N=block_n, STAGES=stages)
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    params = list(inspect.signature(triton_hopper._attn_fwd_ws.fn).parameters)
-    source = GluonASTSource(fn=triton_hopper._attn_fwd_ws, signature=signature,
-                            constexprs={(params.index(name),): value for name, value in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, maxnreg=triton_hopper.LAUNCH_REGS))
+    return _compile(triton_hopper._attn_fwd_ws, signature, dict(BLOCK_N=block_n, STAGES=stages),
+                    triton_hopper.LAUNCH_REGS)
+
+
+def build_backward(head_dim: int, stages: int):
+    """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
+    passes."""
+    from triton.experimental.gluon import language as gl
+
+    hb = triton_hopper_backward
+    kv = _descriptor_type(hb.BLOCK_N.value, head_dim,
+                          gl.NVMMASharedLayout(swizzle_byte_width=head_dim, element_bitwidth=16, rank=4))
+    rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
+    signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
+                     do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK="*bf16",
+                     DV="*bf16", **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
+                                                  "stride_dvt"], "i32"),
+                     DQ_ACC="*fp32", **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "Tq", "Tq_pad", "Tk", "diag"],
+                                                     "i32"), scale="fp32")
+    return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages), hb.LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -57,25 +86,31 @@ def report(kernel) -> tuple[dict, str]:
     ptx = kernel.asm["ptx"]
     return dict(registers=number("REG"), stack_bytes=number("STACK"), local_bytes=number("LOCAL"),
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
+                vector_reductions=sass.count("REDG.E.ADD.F32x4"),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head_dim", type=int, choices=sorted(triton_hopper.TILES), default=None, help="default: both")
-    p.add_argument("--tile", default=None, help="BLOCK_N,STAGES (default: every one of the head dim's tiles)")
+    p.add_argument("--backward", action="store_true", help="the backward (§13) instead of the forward")
+    p.add_argument("--head_dim", type=int, choices=[64, 128], default=None, help="default: every one with tiles")
+    p.add_argument("--tile", default=None, help="forward: BLOCK_N,STAGES; backward: STAGES (default: every one)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
         raise SystemExit("needs Triton >= 3.6 with Gluon, compiled: unset TRITON_INTERPRET")
-    for head_dim in [args.head_dim] if args.head_dim else sorted(triton_hopper.TILES):
-        # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES)
-        tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
-                 else sorted({tile[:2] for tile in triton_hopper.TILES[head_dim]}))
+    table = triton_hopper_backward.TILES if args.backward else triton_hopper.TILES
+    for head_dim in [args.head_dim] if args.head_dim else sorted(table):
+        if args.backward:
+            tiles = [int(args.tile)] if args.tile else table[head_dim]
+        else:  # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES)
+            tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
+                     else sorted({tile[:2] for tile in table[head_dim]}))
         for tile in tiles:
-            figures, sass = report(build(head_dim, tile))
-            print(json.dumps(dict(triton=triton.__version__, head_dim=head_dim, tile=tile, **figures)), flush=True)
+            figures, sass = report(build_backward(head_dim, tile) if args.backward else build(head_dim, tile))
+            print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",
+                                  head_dim=head_dim, tile=tile, **figures)), flush=True)
             if args.sass:
                 with open(args.sass, "w") as f:
                     f.write(sass)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import triton
 
-from attention import attention, attention_qkvpacked, causal_mask, triton_flash, triton_hopper
+from attention import (attention, attention_qkvpacked, causal_mask, triton_flash, triton_hopper,
+                       triton_hopper_backward)
 from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,7 +340,8 @@ def test_untuned_launch_takes_the_first_tile_that_fits():
     assert tried == ["big", "small"]
 
 
-@pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon")])
+@pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
+                                               (triton_hopper_backward, "gluon")])
 def test_doc_and_kernel_point_at_each_other(module, decorator):
     # docs/flash_attention.md cites kernel code as `triton_flash.py:name` (`triton_hopper.py:name`) and the
     # kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel must be cited

@@ -1,0 +1,331 @@
+"""The backward pass on Hopper (H100, H200), warp-specialized: five matmuls per tile pair instead of seven (§13).
+
+The math is triton_flash.py's backward (§5): with P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - Delta),
+dK = dS^T Q, dQ = dS K. The `tl` backward runs two kernels, dK/dV and dQ, and the dQ kernel computes S and dP a second
+time (seven matmuls per tile pair). Here one kernel computes all three gradients, like FlashAttention-3's: a program
+owns 128 keys of one (batch, kv head), holds their K, V and the fp32 dK, dV in its warps, and walks the query tiles
+that see them. Each tile pair's dQ share goes into a float32 buffer with atomic adds, so five matmuls remain; a
+pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and rounded into dq) run around it.
+
+  _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q and dO by TMA into a
+                      ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
+  _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
+                      dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
+                      dS^T into shared memory, and each computes half of dQ's columns from all 128 keys:
+                      dQ[:, half] = dS K[:, half], added into the float32 buffer.
+
+Scores are transposed (keys x query rows) because the consumers own keys: S^T's rows are the accumulator rows dK and
+dV need as the left operand, with no transpose through shared memory; only dS, which dQ needs with query rows first,
+takes that trip.
+
+Synchronisation, with mbarriers (a phase bit flips each time the expected arrivals land):
+  kv_ready            the copy engine arrives when the program's K and V are in;
+  qdo_ready[s]        the same for the query tile in ring slot s (Q and dO);
+  qdo_empty[s]        count 2: each consumer arrives when its matmuls reading Q and dO of slot s are done;
+  ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
+                      (both dQ matmuls that read it are done). The consumers meet there once per query tile.
+The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
+
+The float32 adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
+bit-deterministic (dK and dV are). triton_flash.backward takes the `tl` kernels where
+torch.use_deterministic_algorithms(True) asks for determinism.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_hopper
+from .triton_hopper import gluon  # None before Triton 3.6
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded by TMA as they are (no swizzle)
+    ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+LOG2E = tl.constexpr(1.4426950408889634)
+BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
+KEYS = tl.constexpr(64)  # keys per consumer warpgroup
+BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one wgmma tall
+# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md). Only hs=64: at hs=128
+# the consumers' dK and dV alone take 128 of their 240 registers, and the build spills (~80 stores) and runs slower
+# than the `tl` backward (0.63x vs 0.76x of cuDNN), so no call takes it there.
+TILES = {64: [2, 3]}
+LAUNCH_REGS, CONSUMER_REGS, PRODUCER_REGS = 168, tl.constexpr(240), tl.constexpr(24)
+
+
+# --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
+@triton.jit
+def _prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H,
+             Tq, Tq_pad, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse in base 2
+    (§8), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no row mask); and the row's
+    float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the atomic adds."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+    cols = tl.arange(0, HEAD_DIM)  # (D,)
+    real = rows < Tq
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+                mask=real[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
+                 mask=real[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
+    row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
+    tl.store(DELTA + row_index, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1))
+    tl.store(LSE2 + row_index, lse * LOG2E)
+    tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def _finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale, HEAD_DIM: tl.constexpr,
+               ROWS: tl.constexpr):
+    """dq = scale * the accumulated dS K (dS was taken w.r.t. the scaled scores), in dq's dtype and strides."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+    cols = tl.arange(0, HEAD_DIM)  # (D,)
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * Tq_pad + rows)[:, None] * HEAD_DIM + cols[None, :])
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt + cols[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=(rows < Tq)[:, None])
+
+
+if gluon is not None:
+    @gluon.jit
+    def _key_tile(n_kv_heads, diag, Tq):
+        """Program -> (batch*kv head, first key, first query tile that sees a key). Programs go key tile by key tile,
+        the first (under the causal mask the one most query rows see, §9 work order) first."""
+        bh_kv = gl.program_id(0) % n_kv_heads
+        start_n = gl.program_id(0) // n_kv_heads * BLOCK_N
+        # §6 row i sees keys <= i + diag: the first row that sees key start_n is start_n - diag
+        first_m = gl.minimum(gl.maximum(start_n - diag, 0), Tq) // BLOCK_M
+        return bh_kv, start_n, first_m
+
+    @gluon.jit
+    def _add_into(ptrs, values):
+        """Add float32 values into global memory at ptrs, 4 consecutive ones per instruction, without waiting for
+        (or ordering) the result: `red.global.add.v4.f32`, Hopper's vector reduction, where gl.atomic_add makes one
+        returning atomic per element. Only the post-pass reads the sums. The layout must give each thread runs of 4
+        consecutive elements."""
+        gl.inline_asm_elementwise(
+            "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n\t"
+            "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;",
+            "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64), values.to(gl.int32, bitcast=True)], dtype=gl.int32,
+            is_pure=False, pack=4)
+
+    @gluon.jit
+    def _load_query_tiles(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                          lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, Tq, Tq_pad,
+                          diag):
+        """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
+        them, for each query head of the kv head's group (§7), into the ring."""
+        STAGES: gl.constexpr = q_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        bh_kv, start_n, first_m = _key_tile(n_kv_heads, diag, Tq)
+        b, h_kv = bh_kv // H_kv, bh_kv % H_kv
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+        triton_hopper._tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        triton_hopper._tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        per_head = gl.cdiv(Tq, BLOCK_M) - first_m
+        for t in range(GROUP * per_head):
+            slot = t % STAGES
+            mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's first wait passes
+            ready = qdo_ready.index(slot)
+            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+            h, start_m = h_kv * GROUP + t // per_head, (first_m + t % per_head) * BLOCK_M
+            triton_hopper._tma_load(q_desc, [b, h, start_m, 0], ready,
+                                    q_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+            triton_hopper._tma_load(do_desc, [b, h, start_m, 0], ready,
+                                    do_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+            row_index = ((b * H_kv + h_kv) * GROUP + t // per_head) * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
+            triton_hopper._tma_load(lse_desc, [row_index], ready, lse_smem.index(slot))
+            triton_hopper._tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
+
+    @gluon.jit
+    def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
+                       qdo_ready, qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
+                       scale):
+        """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its half of each query tile's dQ
+        columns."""
+        STAGES: gl.constexpr = q_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        HALF: gl.constexpr = HEAD_DIM // 2
+        # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D),
+        # this warpgroup's dQ columns (M, D/2)
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])
+        lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
+        bh_kv, start_n, first_m = _key_tile(n_kv_heads, diag, Tq)
+        b, h_kv = bh_kv // H_kv, bh_kv % H_kv
+        k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
+        v_mine = v_smem.slice(WG * KEYS, KEYS)
+        k_half = k_smem.slice(WG * HALF, HALF, dim=1)  # (N, D/2): all keys, this warpgroup's dQ columns
+        first_key = start_n + WG * KEYS
+        keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))  # (KEYS,)
+        rows_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # (M,)
+        # the dQ adds: 4 consecutive columns per thread, a warp's lanes along the row (whole 32-byte sectors)
+        add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HALF, HALF // 4], [4, 1], [1, 0])
+        dq_offsets = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))[:, None] * HEAD_DIM
+                      + gl.arange(0, HALF, layout=gl.SliceLayout(0, add_layout))[None, :])  # (M, D/2)
+        dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
+        dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
+        mbarrier.wait(kv_ready, 0)
+
+        per_head = gl.cdiv(Tq, BLOCK_M) - first_m
+        for t in range(GROUP * per_head):
+            slot = t % STAGES
+            buf = t % 2
+            bh = b * H_kv * GROUP + h_kv * GROUP + t // per_head  # the query head's batch*head index (§7)
+            start_m = (first_m + t % per_head) * BLOCK_M
+            mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
+            lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,) base-2 lse, a column of S^T each
+            delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,)
+            q = q_smem.index(slot)  # (M, D)
+            do = do_smem.index(slot)
+            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout),
+                                     use_acc=False, is_async=True)
+            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout),
+                                      use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M); dP^T may still be running
+            # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it
+            if first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1):
+                last_key = gl.minimum(start_m + rows_m + diag, Tk - 1)  # (M,)
+                st = gl.where(keys[:, None] <= last_key[None, :], st, float("-inf"))
+            pt = gl.exp2(st * qk_scale - lse2[None, :])  # §8 P^T; 0 in padding rows (lse +inf)
+            pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
+            dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
+            dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T (KEYS, M); dV may still be running
+            dst = (pt * (dpt - delta[None, :])).to(q_smem.dtype)  # §5 dS^T
+            dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
+
+            # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys
+            mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
+            ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
+            fence_async_shared()  # the stores, visible to the other warpgroup's wgmma before it reads them
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+            dq_token = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
+                                     gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
+            mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
+            mbarrier.arrive(ds_empty.index(buf), count=1)
+            dq_base = DQ_ACC + (bh.to(gl.int64) * Tq_pad + start_m) * HEAD_DIM + WG * HALF
+            _add_into(dq_base + dq_offsets, gl.convert_layout(dq, add_layout))
+
+        # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
+        rows = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))  # (KEYS,)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kd_layout))  # (D,)
+        keep = (rows < Tk)[:, None]
+        dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows.to(gl.int64)[:, None] * stride_dkt
+        gl.store(dk_ptrs + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=keep)
+        dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows.to(gl.int64)[:, None] * stride_dvt
+        gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+
+    @gluon.jit
+    def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
+                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale):
+        _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
+                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                       stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+
+    @gluon.jit
+    def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
+                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale):
+        _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
+                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                       stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+
+    @gluon.jit
+    def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh,
+                     stride_dkt, stride_dvb, stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk,
+                     diag, scale, STAGES: gl.constexpr):
+        """Shared memory and barriers, then the split into the producer and the two consumers (module docstring)."""
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        # K is read whole (S^T, per warpgroup) and by column halves (dQ): swizzled in atoms of D/2 columns, so a half
+        # is whole atoms (the descriptor's layout is the same, kv_layout below)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HEAD_DIM, element_bitwidth=16, rank=2)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], kv_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(qdo_ready.index(i), count=1)
+            mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+            mbarrier.init(ds_empty.index(i), count=2)
+        fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
+
+        consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
+                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, scale * 1.4426950408889634, scale)
+        gl.warp_specialize([
+            (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
+            (_key_gradients_1, consumer_args),
+            (_load_query_tiles, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+                                 do_smem, lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP,
+                                 n_kv_heads, Tq, Tq_pad, diag)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supports(q, k, v, o, do, grads, dense: bool) -> bool:
+    """Whether this kernel can run the call: the Hopper forward's rules (triton_hopper.supports) for q, k, v and
+    dO, a head dim in TILES, and unit column strides for o and the gradients (read and written by pointers)."""
+    return (q.shape[-1] in TILES and triton_hopper.supports(q, k, v, dense) and triton_hopper.tma_can_read(do)
+            and all(t.stride(-1) == 1 for t in (o, *grads)))
+
+
+def _descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "TensorDescriptor":
+    """A (B, H, T, D) tensor, any strides, read in (1, 1, rows, D) blocks; swizzle: bytes, default the widest."""
+    block = [1, 1, rows, t.shape[-1]]
+    if swizzle is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages: int):
+    """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
+    float32 from the forward. stages: slots in the Q/dO ring, from TILES. -> the compiled main kernel."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
+    Tq_pad = n_m_tiles * BLOCK_M.value
+    lse2 = torch.empty(B * Hq, Tq_pad, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse2)
+    dq_acc = torch.empty(B * Hq, Tq_pad, D, dtype=torch.float32, device=q.device)
+    rows_grid = (n_m_tiles, B * Hq)
+    _prepare[rows_grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad,
+                        HEAD_DIM=D, ROWS=BLOCK_M.value)
+    diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
+    rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
+    kernel = _attn_bwd_ws[(triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)](
+        _descriptor(k, BLOCK_N.value, swizzle=D), _descriptor(v, BLOCK_N.value, swizzle=D),
+        _descriptor(q, BLOCK_M.value), _descriptor(do, BLOCK_M.value), rows_of(lse2), rows_of(delta), dk, dv,
+        *dk.stride()[:3], *dv.stride()[:3], dq_acc, Hkv, Hq // Hkv, B * Hkv, Tq, Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4,
+        maxnreg=LAUNCH_REGS)
+    _finish_dq[rows_grid](dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale, HEAD_DIM=D, ROWS=BLOCK_M.value)
+    return kernel

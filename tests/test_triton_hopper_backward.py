@@ -1,0 +1,142 @@
+"""The warp-specialized Hopper backward (attention/triton_hopper_backward.py, §13). On the CPU: when it is used,
+that it builds for sm_90, and its `tl` pre- and post-pass (the interpreter runs those); on the GPU (marked gpu):
+its gradients against float64, every stage count, every element written."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_triton import ROOT, assert_matches_fp64, out_and_grads, qkv
+
+from attention import attention, triton_flash, triton_hopper, triton_hopper_backward
+
+needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
+
+
+@needs_gluon
+def test_supports_only_what_the_kernel_runs(monkeypatch):
+    monkeypatch.setattr(triton_hopper, "INTERPRET", False)
+    monkeypatch.setattr(triton_hopper, "_is_hopper", lambda device: True)  # pretend to be an H100/H200
+    q = torch.randn(2, 4, 256, 64, dtype=torch.bfloat16)
+    grads = (q, q, q)
+    assert triton_hopper_backward.supports(q, q, q, q, q, grads, dense=True)
+    assert not triton_hopper_backward.supports(q, q, q, q, q, grads, dense=False)  # block masks: the `tl` kernels
+    wide = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16)
+    assert not triton_hopper_backward.supports(wide, wide, wide, wide, wide, (wide,) * 3, dense=True)  # no tiles
+    column_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not triton_hopper_backward.supports(q, q, q, column_strided, q, grads, dense=True)  # o by pointers
+    assert not triton_hopper_backward.supports(q, q, q, q, q, (q, column_strided, q), dense=True)
+    assert not triton_hopper_backward.supports(q, q, q, q, column_strided, grads, dense=True)  # dO by TMA
+
+
+@needs_gluon
+def test_builds_for_hopper_with_vector_reductions_and_no_spills():
+    # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--backward", "--head_dim", "64"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for line in run.stdout.splitlines():
+        built = json.loads(line)
+        assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
+        assert built["vector_reductions"] > 0, built  # dQ's adds as red.global.add.v4.f32 (_add_into)
+        assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
+
+
+def test_pre_and_post_pass():
+    # the `tl` kernels around the Gluon one: Delta, base-2 lse and a zeroed dQ buffer, padded to whole tiles
+    # with 0 and +inf; then dq = scale * buffer in dq's dtype and strides
+    torch.manual_seed(0)
+    B, H, Tq, D, rows = 2, 3, 40, 64, 32
+    Tq_pad = 64
+    o, do = (torch.randn(B, Tq, H, D, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    lse = torch.randn(B, H, Tq)
+    lse2, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
+    dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
+    grid = (Tq_pad // rows, B * H)
+    triton_hopper_backward._prepare[grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], H, Tq,
+                                          Tq_pad, HEAD_DIM=D, ROWS=rows)
+    expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
+    torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lse2[:, :Tq], lse.reshape(B * H, Tq) * 1.4426950408889634)
+    assert (delta[:, Tq:] == 0).all() and (lse2[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
+
+    dq_acc = torch.randn(B * H, Tq_pad, D)
+    dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
+    triton_hopper_backward._finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, 0.125, HEAD_DIM=D, ROWS=rows)
+    torch.testing.assert_close(dq, (dq_acc[:, :Tq] * 0.125).half().reshape(B, H, Tq, D))
+
+
+def test_deterministic_algorithms_keep_the_tl_kernels(monkeypatch):
+    # the Hopper backward's dQ adds land in any order; where determinism is asked for it must not run
+    def hopper_backward(*args, **kwargs):
+        raise AssertionError("the Hopper backward ran")
+
+    monkeypatch.setattr(triton_hopper_backward, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(triton_hopper_backward, "backward", hopper_backward)
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    q, k, v = qkv(Tq=37, Tk=37, D=64, dtype=torch.float16)
+    do = torch.randn_like(q)
+    with pytest.raises(AssertionError, match="Hopper backward ran"):  # the switch works...
+        out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # ...and steps aside
+    out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
+
+
+# --- on the GPU -------------------------------------------------------------------------------------------------
+CASES = [  # dtype, causal, B, Hq, Hkv, Tq, Tk
+    (torch.bfloat16, True, 2, 4, 4, 1000, 1000),  # ragged last tiles of keys and of queries
+    (torch.float16, False, 1, 4, 1, 777, 777),  # MQA: a program adds up four query heads
+    (torch.bfloat16, True, 2, 8, 2, 2048, 2048),  # GQA
+    (torch.float16, True, 2, 4, 2, 300, 1000),  # Tq < Tk
+    (torch.bfloat16, True, 2, 4, 2, 1000, 300),  # Tq > Tk: 700 rows see no key
+    (torch.bfloat16, False, 1, 2, 2, 50, 50),  # shorter than one tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", triton_hopper_backward.TILES[64])
+@pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
+def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, stages):
+    torch.manual_seed(0)
+    q, k, v = qkv(B, Hq, Hkv, Tq, Tk, 64, dtype, device="cuda")
+    do = torch.randn_like(q)
+    scale = 64 ** -0.5
+    o, lse = triton_flash.forward(q, k, v, causal, scale)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
+    assert triton_hopper_backward.supports(q, k, v, o, do, grads, dense=True)
+    triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, stages)
+    naive = lambda *t: attention(*t, causal, scale, backend="naive")  # noqa: E731
+    exact = out_and_grads(naive, q.double(), k.double(), v.double(), do.double())[1:]
+    math = out_and_grads(naive, q, k, v, do)[1:]
+    for name, ref, theirs, mine in zip(("dq", "dk", "dv"), exact, math, grads):
+        err_math = (theirs.double() - ref).abs().max().item()
+        err_ours = (mine.double() - ref).abs().max().item()  # NaN fails the comparison
+        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
+
+
+@pytest.mark.gpu
+def test_through_the_op_with_hopper_kernels(monkeypatch):
+    # NANOFLASH_HOPPER=1: both Hopper kernels wherever they run, through the autograd op
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, 64, torch.bfloat16, device="cuda"), causal=True)
+
+
+@pytest.mark.gpu
+def test_deterministic_algorithms_give_bit_identical_gradients(monkeypatch):
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    torch.manual_seed(0)
+    q, k, v = qkv(2, 8, 2, 4096, 4096, 64, torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    run = lambda: out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)  # noqa: E731
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = run(), run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
