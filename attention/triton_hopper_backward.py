@@ -7,8 +7,8 @@ owns 128 keys of one (batch, kv head), holds their K, V and the fp32 dK, dV in i
 that see them. Each tile pair's dQ share goes into a float32 buffer with atomic adds, so five matmuls remain; a
 pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and rounded into dq) run around it.
 
-  _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q and dO by TMA into a
-                      ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
+  _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q, dO, lse and Delta by
+                      TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
   _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
                       dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
                       dS^T into shared memory, and each computes half of dQ's columns from all 128 keys:
@@ -20,7 +20,7 @@ takes that trip.
 
 Synchronisation, with mbarriers (a phase bit flips each time the expected arrivals land):
   kv_ready            the copy engine arrives when the program's K and V are in;
-  qdo_ready[s]        the same for the query tile in ring slot s (Q and dO);
+  qdo_ready[s]        the same for the query tile in ring slot s (Q, dO, lse, Delta);
   qdo_empty[s]        count 2: each consumer arrives when its matmuls reading Q and dO of slot s are done;
   ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
                       (both dQ matmuls that read it are done). The consumers meet there once per query tile.
