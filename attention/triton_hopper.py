@@ -278,10 +278,14 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> 
     return _is_hopper(q.device) and tma_can_read(q, k, v)
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """A (B, H, T, D) tensor, any strides, read in (1, 1, rows, D) blocks."""
+def descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "TensorDescriptor":
+    """A (B, H, T, D) tensor, any strides, read in (1, 1, rows, D) blocks, swizzled in atoms of `swizzle` bytes
+    (default: the widest the block allows; the backward, §13, asks for narrower ones)."""
     block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    if swizzle is None:
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -305,6 +309,6 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting
     programs = min(n_work, _sm_count(q.device)) if persistent else n_work
     return _attn_fwd_ws[(programs,)](
-        _descriptor(q, ROWS.value), _descriptor(k, block_n), _descriptor(v, block_n), o, lse,
+        descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), o, lse,
         o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work,
         BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)

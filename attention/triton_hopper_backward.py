@@ -41,7 +41,7 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
 
     # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded by TMA as they are (no swizzle)
     ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -232,18 +232,20 @@ if gluon is not None:
     @gluon.jit
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                          qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale):
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
+                         scale):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                       stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                          qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale):
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
+                         scale):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                       stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
 
     @gluon.jit
     def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh,
@@ -280,7 +282,8 @@ if gluon is not None:
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                          qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, scale * 1.4426950408889634, scale)
+                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, scale * LOG2E,
+                         scale)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
@@ -295,16 +298,6 @@ def supports(q, k, v, o, do, grads, dense: bool) -> bool:
     dO, a head dim in TILES, and unit column strides for o and the gradients (read and written by pointers)."""
     return (q.shape[-1] in TILES and triton_hopper.supports(q, k, v, dense) and triton_hopper.tma_can_read(do)
             and all(t.stride(-1) == 1 for t in (o, *grads)))
-
-
-def _descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "TensorDescriptor":
-    """A (B, H, T, D) tensor, any strides, read in (1, 1, rows, D) blocks; swizzle: bytes, default the widest."""
-    block = [1, 1, rows, t.shape[-1]]
-    if swizzle is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages: int):
@@ -322,10 +315,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
                         HEAD_DIM=D, ROWS=BLOCK_M.value)
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
+    # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
+    kv_desc = lambda t: triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D)  # noqa: E731
     kernel = _attn_bwd_ws[(triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)](
-        _descriptor(k, BLOCK_N.value, swizzle=D), _descriptor(v, BLOCK_N.value, swizzle=D),
-        _descriptor(q, BLOCK_M.value), _descriptor(do, BLOCK_M.value), rows_of(lse2), rows_of(delta), dk, dv,
-        *dk.stride()[:3], *dv.stride()[:3], dq_acc, Hkv, Hq // Hkv, B * Hkv, Tq, Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4,
-        maxnreg=LAUNCH_REGS)
+        kv_desc(k), kv_desc(v), triton_hopper.descriptor(q, BLOCK_M.value), triton_hopper.descriptor(do, BLOCK_M.value),
+        rows_of(lse2), rows_of(delta), dk, dv, *dk.stride()[:3], *dv.stride()[:3], dq_acc, Hkv, Hq // Hkv, B * Hkv, Tq,
+        Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
     _finish_dq[rows_grid](dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale, HEAD_DIM=D, ROWS=BLOCK_M.value)
     return kernel
