@@ -771,7 +771,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
-    # §13 on Hopper the warp-specialized backward (five matmuls, dQ by atomic adds) competes with the two `tl`
+    # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in
     if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()

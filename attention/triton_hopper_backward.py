@@ -4,15 +4,20 @@ The math is triton_flash.py's backward (§5): with P = exp(S - lse), dV = P^T dO
 dK = dS^T Q, dQ = dS K. The `tl` backward runs two kernels, dK/dV and dQ, and the dQ kernel computes S and dP a second
 time (seven matmuls per tile pair). Here one kernel computes all three gradients, like FlashAttention-3's: a program
 owns 128 keys of one (batch, kv head), holds their K, V and the fp32 dK, dV in its warps, and walks the query tiles
-that see them. Each tile pair's dQ share goes into a float32 buffer with atomic adds, so five matmuls remain; a
-pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and rounded into dq) run around it.
+that see them. Each tile pair's dQ share is added into a float32 buffer by the copy engine, so five matmuls remain;
+a pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and rounded into dq) run around it.
 
   _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q, dO, lse and Delta by
                       TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
   _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
                       dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
                       dS^T into shared memory, and each computes half of dQ's columns from all 128 keys:
-                      dQ[:, half] = dS K[:, half], added into the float32 buffer.
+                      dQ[:, half] = dS K[:, half], stored to a staging tile in shared memory that the copy engine
+                      adds into the float32 buffer (a TMA reduce, _tma_add) while the warpgroup goes on.
+
+Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (16 KB per tile pair,
+as much as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer rows stay in L2
+(_key_tile, DQ_GROUP_BYTES): the adds then meet in L2 instead of going to DRAM and back.
 
 Scores are transposed (keys x query rows) because the consumers own keys: S^T's rows are the accumulator rows dK and
 dV need as the left operand, with no transpose through shared memory; only dS, which dQ needs with query rows first,
@@ -39,7 +44,9 @@ from .triton_hopper import gluon  # None before Triton 3.6
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
 
@@ -50,20 +57,22 @@ LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
 KEYS = tl.constexpr(64)  # keys per consumer warpgroup
 BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one wgmma tall
-# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md). Only hs=64: at hs=128
-# the consumers' dK and dV alone take 128 of their 240 registers, and the build spills (~80 stores) and runs slower
-# than the `tl` backward (0.63x vs 0.76x of cuDNN), so no call takes it there.
-TILES = {64: [2, 3]}
+# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md). At hs=128 the
+# consumers' dK and dV alone take 128 of their 240 registers and the build spills (~70 stores), and a third slot
+# would not fit in shared memory; it still beats the `tl` backward at T >= 4k, and the tuner decides per shape.
+TILES = {64: [2, 3], 128: [2]}
+# a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
+DQ_GROUP_BYTES = 8 << 20
 LAUNCH_REGS, CONSUMER_REGS, PRODUCER_REGS = 168, tl.constexpr(240), tl.constexpr(24)
 
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def _prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, H,
-             Tq, Tq_pad, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+def _attn_bwd_prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+                      stride_dot, H, Tq, Tq_pad, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse in base 2
     (§8), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no row mask); and the row's
-    float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the atomic adds."""
+    float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
@@ -81,8 +90,8 @@ def _prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, s
 
 
 @triton.jit
-def _finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale, HEAD_DIM: tl.constexpr,
-               ROWS: tl.constexpr):
+def _attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale,
+                        HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """dq = scale * the accumulated dS K (dS was taken w.r.t. the scaled scores), in dq's dtype and strides."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -95,36 +104,39 @@ def _finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, sc
 
 if gluon is not None:
     @gluon.jit
-    def _key_tile(n_kv_heads, diag, Tq):
-        """Program -> (batch*kv head, first key, first query tile that sees a key). Programs go key tile by key tile,
-        the first (under the causal mask the one most query rows see, §9 work order) first."""
-        bh_kv = gl.program_id(0) % n_kv_heads
-        start_n = gl.program_id(0) // n_kv_heads * BLOCK_N
+    def _key_tile(n_kv_heads, heads_per_group, diag, Tq):
+        """Program -> (batch*kv head, first key, first query tile that sees a key). Programs go in groups of
+        heads_per_group (batch, kv head)s, whose dQ rows fit in L2 together (module docstring); in a group, key tile by
+        key tile, the first (under the causal mask the one most query rows see, §9 work order) first. The last group
+        may be smaller."""
+        n_kblocks = gl.num_programs(0) // n_kv_heads
+        per_group = heads_per_group * n_kblocks
+        group = gl.program_id(0) // per_group
+        heads_here = gl.minimum(heads_per_group, n_kv_heads - group * heads_per_group)
+        within = gl.program_id(0) - group * per_group
+        bh_kv = group * heads_per_group + within % heads_here
+        start_n = within // heads_here * BLOCK_N
         # §6 row i sees keys <= i + diag: the first row that sees key start_n is start_n - diag
         first_m = gl.minimum(gl.maximum(start_n - diag, 0), Tq) // BLOCK_M
         return bh_kv, start_n, first_m
 
-    @gluon.jit
-    def _add_into(ptrs, values):
-        """Add float32 values into global memory at ptrs, 4 consecutive ones per instruction, without waiting for
-        (or ordering) the result: `red.global.add.v4.f32`, Hopper's vector reduction, where gl.atomic_add makes one
-        returning atomic per element. Only the post-pass reads the sums. The layout must give each thread runs of 4
-        consecutive elements."""
-        gl.inline_asm_elementwise(
-            "red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11};\n\t"
-            "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;",
-            "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs.to(gl.int64), values.to(gl.int32, bitcast=True)], dtype=gl.int32,
-            is_pure=False, pack=4)
+    @builtin
+    def _tma_add(desc, coord, src, _semantic=None):
+        """global[desc's block at coord] += shared memory src, by the copy engine (`cp.reduce.async.bulk.tensor
+        .add`): a thread issues it and goes on; tma.store_wait(n) waits until at most n such copies still read their
+        source. Triton 3.9 calls it tma.async_atomic_add; 3.6 has the operation but no Gluon name for it."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
     @gluon.jit
     def _load_query_tiles(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                          lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, Tq, Tq_pad,
-                          diag):
+                          lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads,
+                          heads_per_group, Tq, Tq_pad, diag):
         """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
         them, for each query head of the kv head's group (§7), into the ring."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
-        bh_kv, start_n, first_m = _key_tile(n_kv_heads, diag, Tq)
+        bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
         triton_hopper._tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
@@ -147,8 +159,8 @@ if gluon is not None:
     @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
-                       scale):
+                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                       Tk, diag, qk_scale, scale):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its half of each query tile's dQ
         columns."""
         STAGES: gl.constexpr = q_smem.shape[0]
@@ -163,7 +175,7 @@ if gluon is not None:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF, 16])
         lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
-        bh_kv, start_n, first_m = _key_tile(n_kv_heads, diag, Tq)
+        bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
         v_mine = v_smem.slice(WG * KEYS, KEYS)
@@ -171,10 +183,6 @@ if gluon is not None:
         first_key = start_n + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))  # (KEYS,)
         rows_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # (M,)
-        # the dQ adds: 4 consecutive columns per thread, a warp's lanes along the row (whole 32-byte sectors)
-        add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // HALF, HALF // 4], [4, 1], [1, 0])
-        dq_offsets = (gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))[:, None] * HEAD_DIM
-                      + gl.arange(0, HALF, layout=gl.SliceLayout(0, add_layout))[None, :])  # (M, D/2)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
         mbarrier.wait(kv_ready, 0)
@@ -217,8 +225,14 @@ if gluon is not None:
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
             mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
             mbarrier.arrive(ds_empty.index(buf), count=1)
-            dq_base = DQ_ACC + (bh.to(gl.int64) * Tq_pad + start_m) * HEAD_DIM + WG * HALF
-            _add_into(dq_base + dq_offsets, gl.convert_layout(dq, add_layout))
+            # the copy engine adds dQ[:, half] into the float32 buffer from a staging tile (two per warpgroup): the
+            # one of two tiles ago is free once at most one reduction (the last tile's) still reads its source
+            staging = dq_smem.index(WG * 2 + buf)  # (M, D/2)
+            tma.store_wait(1)
+            staging.store(dq)
+            fence_async_shared()  # the stores, visible to the copy engine
+            _tma_add(dq_desc, [bh * Tq_pad + start_m, WG * HALF], staging)
+        tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
         rows = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))  # (KEYS,)
@@ -230,27 +244,29 @@ if gluon is not None:
         gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
 
     @gluon.jit
-    def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
-                         scale):
+    def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
+                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
+                         qk_scale, scale):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                       Tk, diag, qk_scale, scale)
 
     @gluon.jit
-    def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale,
-                         scale):
+    def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
+                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
+                         qk_scale, scale):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, qk_scale, scale)
+                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                       Tk, diag, qk_scale, scale)
 
     @gluon.jit
-    def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh,
-                     stride_dkt, stride_dvb, stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk,
-                     diag, scale, STAGES: gl.constexpr):
+    def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
+                     stride_dvb, stride_dvh, stride_dvt, dq_desc, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                     Tk, diag, scale, STAGES: gl.constexpr):
         """Shared memory and barriers, then the split into the producer and the two consumers (module docstring)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -264,6 +280,8 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
+        # dQ staging: two (M, D/2) float32 tiles per consumer warpgroup, laid out as the copy engine reads them
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -280,16 +298,16 @@ if gluon is not None:
             mbarrier.init(ds_empty.index(i), count=2)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
-        consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                         qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                         stride_dvh, stride_dvt, DQ_ACC, H_kv, GROUP, n_kv_heads, Tq, Tq_pad, Tk, diag, scale * LOG2E,
-                         scale)
+        consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
+                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
+                         scale * LOG2E, scale)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
             (_load_query_tiles, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
                                  do_smem, lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP,
-                                 n_kv_heads, Tq, Tq_pad, diag)),
+                                 n_kv_heads, heads_per_group, Tq, Tq_pad, diag)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -311,15 +329,21 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
     delta = torch.empty_like(lse2)
     dq_acc = torch.empty(B * Hq, Tq_pad, D, dtype=torch.float32, device=q.device)
     rows_grid = (n_m_tiles, B * Hq)
-    _prepare[rows_grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad,
+    _attn_bwd_prepare[rows_grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad,
                         HEAD_DIM=D, ROWS=BLOCK_M.value)
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
     kv_desc = lambda t: triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D)  # noqa: E731
+    # the float32 dQ buffer as (B*Hq*Tq_pad, D) rows, added into by (M, D/2) blocks (one per consumer warpgroup)
+    dq_block = [BLOCK_M.value, D // 2]
+    dq_desc = TensorDescriptor(dq_acc.view(-1, D), [B * Hq * Tq_pad, D], [D, 1], dq_block,
+                               gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
+    # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
+    heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
     kernel = _attn_bwd_ws[(triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)](
         kv_desc(k), kv_desc(v), triton_hopper.descriptor(q, BLOCK_M.value), triton_hopper.descriptor(do, BLOCK_M.value),
-        rows_of(lse2), rows_of(delta), dk, dv, *dk.stride()[:3], *dv.stride()[:3], dq_acc, Hkv, Hq // Hkv, B * Hkv, Tq,
-        Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
-    _finish_dq[rows_grid](dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale, HEAD_DIM=D, ROWS=BLOCK_M.value)
+        rows_of(lse2), rows_of(delta), dk, dv, *dk.stride()[:3], *dv.stride()[:3], dq_desc, Hkv, Hq // Hkv, B * Hkv,
+        heads_per_group, Tq, Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+    _attn_bwd_finish_dq[rows_grid](dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale, HEAD_DIM=D, ROWS=BLOCK_M.value)
     return kernel

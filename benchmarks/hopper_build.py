@@ -1,6 +1,7 @@
 """Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
 (attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
-tile: registers, spills, wgmma (HGMMA), barrier and vector-reduction instructions in the SASS, shared memory.
+tile: registers, spills, wgmma (HGMMA) and barrier instructions in the SASS, the copy engine's reductions in the
+PTX, shared memory.
 For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
 change in a new Triton, or a change that makes a kernel spill, fails there.
 
@@ -64,12 +65,14 @@ def build_backward(head_dim: int, stages: int):
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim,
                           gl.NVMMASharedLayout(swizzle_byte_width=head_dim, element_bitwidth=16, rank=4))
     rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
+    dq_block = [hb.BLOCK_M.value, head_dim // 2]
+    dq = f"tensordesc<fp32{dq_block},{gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)}>"
     signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
                      do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK="*bf16",
                      DV="*bf16", **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
                                                   "stride_dvt"], "i32"),
-                     DQ_ACC="*fp32", **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "Tq", "Tq_pad", "Tk", "diag"],
-                                                     "i32"), scale="fp32")
+                     dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
+                                                  "Tk", "diag"], "i32"), scale="fp32")
     return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages), hb.LAUNCH_REGS)
 
 
@@ -86,7 +89,7 @@ def report(kernel) -> tuple[dict, str]:
     ptx = kernel.asm["ptx"]
     return dict(registers=number("REG"), stack_bytes=number("STACK"), local_bytes=number("LOCAL"),
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
-                vector_reductions=sass.count("REDG.E.ADD.F32x4"),
+                bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass
 

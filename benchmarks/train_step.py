@@ -21,13 +21,15 @@ if __name__ == "__main__" and not __package__:
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from attention import triton_flash
 from benchmarks.minimal_loop import make_step, timed_steps
 from benchmarks.report import environment, fmt, markdown_table, slug, write_json
 from training.config import ConfigError, parse_args
 from training.distributed import World
 
-# GPU kernels by name. Ours are _attn_fwd/_attn_bwd_*; PyTorch's sdpa runs cuDNN ("cudnn ... sdpa"), FlashAttention
-# ("flash") or memory-efficient ("fmha") kernels. Attention is matched first: cutlass names its fmha kernels too.
+# GPU kernels by name. Ours are _attn_fwd*/_attn_bwd_* (the Hopper backward's pre- and post-pass too); PyTorch's sdpa
+# runs cuDNN ("cudnn ... sdpa"), FlashAttention ("flash") or memory-efficient ("fmha") kernels. Attention is matched
+# first: cutlass names its fmha kernels too.
 ATTENTION_NAMES = ("_attn_", "flash", "fmha", "sdpa", "cudnn")
 MATMUL_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_")
 
@@ -72,6 +74,19 @@ def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | No
                 attention_kernels=dict(sorted(attention_kernels.items(), key=lambda kv: -kv[1]["ms"])))
 
 
+def tuner_choices(log: list[dict]) -> list[dict]:
+    """triton_flash.tuning_log as JSON: per tuned kernel and shape, its candidates (as text), fastest first. At
+    GPT-2's shape the `tl` and Hopper kernels can be within the tuner's noise of each other, so this says which ran."""
+    return [dict(kernel=entry["kernel"], shape=str(entry.get("key", (entry.get("Tq"), entry.get("Tk")))),
+                 times_ms=dict(sorted(((_label(choice), ms) for choice, ms in entry["times_ms"].items()),
+                                      key=lambda item: item[1])))
+            for entry in log]
+
+
+def _label(choice) -> str:
+    return "tl" if choice is None else str(choice)  # the backward's None is the `tl` kernels
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--backends", default="sdpa,triton", help="comma-separated --attn values")
@@ -88,6 +103,7 @@ def main(argv=None) -> dict:
 
     world = World()
     steps, cfgs = {}, {}
+    triton_flash.tuning_log = []  # what the Triton backend's tuner chose in the warm-up steps, with its timings
     for name in args.backends.split(","):
         cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
         steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode)
@@ -118,6 +134,7 @@ def main(argv=None) -> dict:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
 
+    results["tuning"] = tuner_choices(triton_flash.tuning_log)
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(report(results))
     print(report(results))

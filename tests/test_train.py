@@ -215,11 +215,23 @@ def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path):
         assert len(r["step_ms"]) == 4 and r["median_ms"] > 0  # 2 rounds x 2 steps
         assert r["profile"]["kernels_ms"] == 0  # no GPU: the profiler saw no kernels
     assert "| naive |" in (tmp_path / "results.md").read_text()
-    assert json.loads((tmp_path / "results.json").read_text())["settings"]["tokens_per_step"] == 4 * 16
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert written["settings"]["tokens_per_step"] == 4 * 16
+    assert written["tuning"] == []  # neither backend tunes a Triton kernel
+
+
+def test_train_step_records_the_tuners_choices():
+    from benchmarks.train_step import tuner_choices
+
+    log = [dict(kernel="bwd", key=(64, True, torch.bfloat16, 1024, 1024), times_ms={None: 0.30, 2: 0.29, 3: 0.31})]
+    choices = tuner_choices(log)
+    assert list(choices[0]["times_ms"]) == ["2", "tl", "3"]  # fastest first; None is the `tl` backward
+    json.dumps(choices)  # the shape key holds a torch dtype: written as text
 
 
 @pytest.mark.parametrize("name, category", [
-    ("_attn_bwd_dkdv", "attention"), ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+    ("_attn_bwd_dkdv", "attention"), ("_attn_bwd_prepare", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", "attention"),
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matmul"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32", "matmul"), ("triton_per_fused_native_layer_norm_0", "other"),

@@ -24,8 +24,8 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     grads = (q, q, q)
     assert triton_hopper_backward.supports(q, q, q, q, q, grads, dense=True)
     assert not triton_hopper_backward.supports(q, q, q, q, q, grads, dense=False)  # block masks: the `tl` kernels
-    wide = torch.randn(2, 4, 256, 128, dtype=torch.bfloat16)
-    assert not triton_hopper_backward.supports(wide, wide, wide, wide, wide, (wide,) * 3, dense=True)  # no tiles
+    narrow = torch.randn(2, 4, 256, 32, dtype=torch.bfloat16)
+    assert not triton_hopper_backward.supports(narrow, narrow, narrow, narrow, narrow, (narrow,) * 3, dense=True)
     column_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not triton_hopper_backward.supports(q, q, q, column_strided, q, grads, dense=True)  # o by pointers
     assert not triton_hopper_backward.supports(q, q, q, q, q, (q, column_strided, q), dense=True)
@@ -33,7 +33,7 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
 
 
 @needs_gluon
-def test_builds_for_hopper_with_vector_reductions_and_no_spills():
+def test_builds_for_hopper_with_bulk_reductions_and_no_spills():
     # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--backward", "--head_dim", "64"], cwd=ROOT,
@@ -42,7 +42,7 @@ def test_builds_for_hopper_with_vector_reductions_and_no_spills():
     for line in run.stdout.splitlines():
         built = json.loads(line)
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
-        assert built["vector_reductions"] > 0, built  # dQ's adds as red.global.add.v4.f32 (_add_into)
+        assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (_tma_add)
         assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
 
 
@@ -57,8 +57,8 @@ def test_pre_and_post_pass():
     lse2, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
     grid = (Tq_pad // rows, B * H)
-    triton_hopper_backward._prepare[grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], H, Tq,
-                                          Tq_pad, HEAD_DIM=D, ROWS=rows)
+    triton_hopper_backward._attn_bwd_prepare[grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3],
+                                                   H, Tq, Tq_pad, HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse2[:, :Tq], lse.reshape(B * H, Tq) * 1.4426950408889634)
@@ -66,7 +66,8 @@ def test_pre_and_post_pass():
 
     dq_acc = torch.randn(B * H, Tq_pad, D)
     dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
-    triton_hopper_backward._finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, 0.125, HEAD_DIM=D, ROWS=rows)
+    triton_hopper_backward._attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, 0.125, HEAD_DIM=D,
+                                                     ROWS=rows)
     torch.testing.assert_close(dq, (dq_acc[:, :Tq] * 0.125).half().reshape(B, H, Tq, D))
 
 
@@ -97,14 +98,11 @@ CASES = [  # dtype, causal, B, Hq, Hkv, Tq, Tk
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", triton_hopper_backward.TILES[64])
-@pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
-def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, stages):
+def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
     torch.manual_seed(0)
-    q, k, v = qkv(B, Hq, Hkv, Tq, Tk, 64, dtype, device="cuda")
+    q, k, v = qkv(B, Hq, Hkv, Tq, Tk, head_dim, dtype, device="cuda")
     do = torch.randn_like(q)
-    scale = 64 ** -0.5
+    scale = head_dim ** -0.5
     o, lse = triton_flash.forward(q, k, v, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
     assert triton_hopper_backward.supports(q, k, v, o, do, grads, dense=True)
@@ -119,11 +117,28 @@ def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk
 
 
 @pytest.mark.gpu
-def test_through_the_op_with_hopper_kernels(monkeypatch):
+@pytest.mark.parametrize("head_dim, stages", [(d, s) for d, stage_counts in triton_hopper_backward.TILES.items()
+                                              for s in stage_counts])
+@pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
+def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
+    check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages)
+
+
+@pytest.mark.gpu
+def test_head_groups_cover_every_head(monkeypatch):
+    # 8 (batch, kv head)s with 2 query heads each, 1024 padded rows of hs=64: 512 KB of dQ per kv head; a budget of
+    # three makes groups of 3, 3 and 2 (the last one smaller)
+    monkeypatch.setattr(triton_hopper_backward, "DQ_GROUP_BYTES", 3 * 2 * 1024 * 64 * 4)
+    check_against_fp64(torch.bfloat16, True, 2, 8, 4, 1000, 1000, 64, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
+def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
     # NANOFLASH_HOPPER=1: both Hopper kernels wherever they run, through the autograd op
     monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
     torch.manual_seed(0)
-    assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, 64, torch.bfloat16, device="cuda"), causal=True)
+    assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, head_dim, torch.bfloat16, device="cuda"), causal=True)
 
 
 @pytest.mark.gpu
