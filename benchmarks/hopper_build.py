@@ -33,8 +33,12 @@ def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
 
     signature.update(dict.fromkeys(constants, "constexpr"))
     params = list(inspect.signature(kernel.fn).parameters)
+    # as a launch specializes them for tensors of whole 16-byte rows: pointers and strides divisible by 16, which
+    # is what lets the compiler vectorize stores
+    aligned = [name for name, kind in signature.items() if kind.startswith("*") or name.startswith("stride_")]
     source = GluonASTSource(fn=kernel, signature=signature,
-                            constexprs={(params.index(name),): value for name, value in constants.items()})
+                            constexprs={(params.index(name),): value for name, value in constants.items()},
+                            attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=launch_regs))
 
 
