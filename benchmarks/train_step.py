@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
 
     world = World()
     steps, cfgs = {}, {}
-    triton_flash.tuning_log = []  # what the Triton backend's tuner chose in the warm-up steps, with its timings
+    log_before, triton_flash.tuning_log = triton_flash.tuning_log, []  # what the tuner chose in the warm-up steps
     for name in args.backends.split(","):
         cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
         steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode)
@@ -135,6 +135,7 @@ def main(argv=None) -> dict:
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
 
     results["tuning"] = tuner_choices(triton_flash.tuning_log)
+    triton_flash.tuning_log = log_before
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(report(results))
     print(report(results))
