@@ -15,9 +15,9 @@ a pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and
                       dQ[:, half] = dS K[:, half], stored to a staging tile in shared memory that the copy engine
                       adds into the float32 buffer (a TMA reduce, _tma_add) while the warpgroup goes on.
 
-Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (16 KB per tile pair,
-as much as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer rows stay in L2
-(_key_tile, DQ_GROUP_BYTES): the adds then meet in L2 instead of going to DRAM and back.
+Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
+tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
+rows stay in L2 (_key_tile, DQ_GROUP_BYTES): the adds then meet in L2 instead of going to DRAM and back.
 
 Scores are transposed (keys x query rows) because the consumers own keys: S^T's rows are the accumulator rows dK and
 dV need as the left operand, with no transpose through shared memory; only dS, which dQ needs with query rows first,
