@@ -8,8 +8,8 @@ each (one item, or with a persistent grid a share of them: _work_item), and spli
   _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into a ring of STAGES shared-memory
                       slots, each slot refilled as soon as both consumers are done with it;
   _softmax_rows       two consumer warpgroups of 64 rows each: the online softmax over the key tiles,
-                      S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma) so the softmax
-                      of tile j runs while the tensor cores multiply the previous tile.
+                      S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
+                      warpgroup's softmax runs while the tensor cores multiply (§12 says whose products).
 
 `tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization
 hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
@@ -22,7 +22,8 @@ interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI buil
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land):
   kv_ready[s]  the copy engine arrives when K_j and V_j (2 tiles of bytes, announced with expect) are in;
   kv_empty[s]  count 2: each consumer warpgroup arrives when it has finished reading K_j and V_j.
-  q_ready, q_empty  the same for the item's Q (one buffer, refilled once both consumers are past their last S).
+  q_ready, q_empty  the same for the item's Q (one buffer, refilled once both consumers are past their last S,
+               or at hs=128, where they hold Q in registers, once both have loaded it).
 The j-th key tile a program loads (counted over its items) lives in slot j % STAGES, in that slot's phase
 (j // STAGES) & 1. No barrier spans the whole program, so neither warpgroup waits for the other.
 """
@@ -134,7 +135,11 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG)
+        # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory:
+        # with both operands there, a 64-key tile asks shared memory for all the bytes per clock it has. Measured
+        # +2-4% at hs=128; -1-2% at hs=64, where the softmax, not shared memory, is the busier unit (perf notes).
+        Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
+        q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
         item = 0
         for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
@@ -145,6 +150,11 @@ if gluon is not None:
             n_mine = gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
             mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
             mbarrier.wait(q_ready, item & 1)
+            if Q_IN_REGISTERS:
+                q = q_smem.index(WG).load(q_operand)  # (ROWS, D)
+                mbarrier.arrive(q_empty, count=1)  # Q read: the next item's may load
+            else:
+                q = q_smem.index(WG)
 
             # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}
             slot = seen_tiles % STAGES
@@ -177,10 +187,13 @@ if gluon is not None:
                 alpha = gl.exp2(m_i - m_ref)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
+                # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, whatever the order here, so in
+                # the built kernel a softmax runs under the other warpgroup's matmuls, not its own (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.arrive(q_empty, count=1)  # Q's last use was S of the last tile: the next item's may load
+            if not Q_IN_REGISTERS:
+                mbarrier.arrive(q_empty, count=1)  # Q's last use was S of the last tile: the next item's may load
             o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
                                     is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
