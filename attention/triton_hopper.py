@@ -137,7 +137,7 @@ if gluon is not None:
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory:
         # with both operands there, a 64-key tile asks shared memory for all the bytes per clock it has. Measured
-        # +2-4% at hs=128; -1-2% at hs=64, where the softmax, not shared memory, is the busier unit (perf notes).
+        # +1-4% at hs=128; -1-3% at hs=64, where the softmax, not shared memory, is the busier unit (perf notes).
         Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
@@ -187,8 +187,8 @@ if gluon is not None:
                 alpha = gl.exp2(m_i - m_ref)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
-                # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, whatever the order here, so in
-                # the built kernel a softmax runs under the other warpgroup's matmuls, not its own (§12, perf notes)
+                # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the other
+                # warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]

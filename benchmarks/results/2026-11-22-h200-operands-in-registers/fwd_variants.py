@@ -1,7 +1,7 @@
 """Timing probe: variants of the Gluon forward (.gpu_carry/hfv_<name>.py, copies of attention/triton_hopper.py with
 one change each) side by side with the package's forward (its tuner choosing), its `tl` forward alone and cuDNN.
 
-    PYTHONPATH=. python3 benchmarks/results/2026-11-22-h200-operands-in-registers/fwd_variants.py base,qreg
+    PYTHONPATH=. python3 benchmarks/results/2026-11-22-h200-operands-in-registers/fwd_variants.py base,qreg [64,128]
 
 Each variant runs every tile of its TILES (and BLOCK_N=128 at hs=128, which the package does not offer), persistent
 tiles without the causal mask only. Sanity: the largest difference from the `tl` output (the float64 checks are the
@@ -27,7 +27,9 @@ SHAPES = [(16, 12, 1024, 64, True), (16, 32, 1024, 64, True), (4, 32, 4096, 64, 
           (16, 32, 1024, 64, False), (4, 32, 4096, 64, False), (1, 32, 16384, 64, False),
           (16, 16, 1024, 128, True), (4, 16, 4096, 128, True), (1, 16, 16384, 128, True),
           (16, 16, 1024, 128, False), (4, 16, 4096, 128, False), (1, 16, 16384, 128, False)]
-EXTRA = {128: [(128, 2, False), (128, 2, True)]}
+if len(sys.argv) > 2:  # only these head dims
+    SHAPES = [shape for shape in SHAPES if str(shape[3]) in sys.argv[2].split(",")]
+EXTRA = {128: [(128, 2, False), (128, 2, True)]} if os.environ.get("FWD_EXTRA", "1") == "1" else {}
 
 
 def bench(fn):
