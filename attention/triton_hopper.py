@@ -187,8 +187,8 @@ if gluon is not None:
                 alpha = gl.exp2(m_i - m_ref)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 m_i = m_new
-                # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the other
-                # warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
+                # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
+                # other warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]

@@ -18,7 +18,8 @@ samples = next(c for c in columns if "Sampling (All" in c)
 number = lambda v: float(v.replace(",", "")) if v not in ("", None) else 0.0  # noqa: E731
 total = sum(number(r[samples]) for r in rows) or 1.0
 print("total samples", total)
-extra = [c for c in columns if (c.startswith("stall_") and "Not Issued" not in c) or c == "L1 Wavefronts Shared Excessive"]
+extra = [c for c in columns
+         if (c.startswith("stall_") and "Not Issued" not in c) or c == "L1 Wavefronts Shared Excessive"]
 for r in sorted(rows, key=lambda r: -number(r[samples]))[:top]:
     share = number(r[samples]) / total
     detail = {c: r[c] for c in extra if c != samples and number(r.get(c) or "0") not in (0.0,)}

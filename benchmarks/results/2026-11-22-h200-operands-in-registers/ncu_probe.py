@@ -1,8 +1,9 @@
-"""One attention kernel, launched a few times, for Nsight Compute to profile every kernel of the last:
+"""One attention pass, run five times, for Nsight Compute to profile every kernel of the last run:
 
-    ncu --clock-control none --profile-from-start off --section ... python3 ncu_probe.py <ours|cudnn> <fwd|bwd> B H T D causal
+    ncu --clock-control none --profile-from-start off --section ... \
+        python3 ncu_probe.py <ours|cudnn> <fwd|bwd> B H T D causal
 
-ours fwd: the Gluon forward (triton_hopper, tile from NCU_TILE, default the best of fwd_variants.json's cells);
+ours fwd: the Gluon forward (triton_hopper; tile BLOCK_N,STAGES,PERSISTENT from NCU_TILE, default 64,3,0);
 ours bwd: the Gluon backward (2 stages); cudnn: PyTorch's cuDNN attention, the same pass."""
 import os
 import sys
