@@ -138,13 +138,6 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
                                                       **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                                                       num_stages=stages)
 
-    def time_ms(choice) -> float:
-        # smem_bytes is an estimate: a kernel that stages more than it (MoBA's gathers, say) may not fit
-        try:
-            return triton.testing.do_bench(lambda: run(choice), warmup=5, rep=20, return_mode="median")
-        except OutOfResources:
-            return float("inf")
-
     key = (kernel, tuple(constants.items()), loads, hopper is not None, dtype, triton.next_power_of_2(Tq),
            triton.next_power_of_2(Tk))
     choice = _best_tile.get(key)
@@ -157,7 +150,7 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" or INTERPRET:
             _best_tile[key] = _first_that_fits(candidates, run)  # launched: this call is done
             return
-        times = {choice: time_ms(choice) for choice in candidates}
+        times = {choice: _time_ms(functools.partial(run, choice)) for choice in candidates}
         choice = min(times, key=times.get)
         _best_tile[key] = choice
         if tuning_log is not None:  # with what the compiler made of the chosen tile
@@ -167,6 +160,15 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
                                    wgmma=compiled.asm["ptx"].count("wgmma.mma_async")))
             return
     run(choice)
+
+
+def _time_ms(fn) -> float:
+    """The tuner's timing of one candidate: median of do_bench's runs; inf for one that does not fit (smem_bytes
+    is an estimate: a kernel that stages more than it, MoBA's gathers say, may not)."""
+    try:
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    except OutOfResources:
+        return float("inf")
 
 
 def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
@@ -803,8 +805,7 @@ def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple
         else:
             tl_backward()  # tunes the `tl` kernels' tiles first, so their time below is the tuned one
             run = {None: tl_backward, **{s: functools.partial(hopper_backward, s) for s in stages}}
-            times = {choice: triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-                     for choice, fn in run.items()}
+            times = {choice: _time_ms(fn) for choice, fn in run.items()}
             _best_backward[key] = min(times, key=times.get)
             if tuning_log is not None:
                 tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))

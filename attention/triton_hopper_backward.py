@@ -41,6 +41,8 @@ import triton.language as tl
 
 from . import triton_hopper
 from .triton_hopper import gluon  # None before Triton 3.6
+# the forward's split of the registers: 12 warps at 168 for the launch, then 240 per consumer, 24 for the producer
+from .triton_hopper import CONSUMER_REGS, LAUNCH_REGS, PRODUCER_REGS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -63,7 +65,6 @@ BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one 
 TILES = {64: [2, 3], 128: [2]}
 # a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
 DQ_GROUP_BYTES = 8 << 20
-LAUNCH_REGS, CONSUMER_REGS, PRODUCER_REGS = 168, tl.constexpr(240), tl.constexpr(24)
 
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------

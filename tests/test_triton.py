@@ -340,6 +340,16 @@ def test_untuned_launch_takes_the_first_tile_that_fits():
     assert tried == ["big", "small"]
 
 
+def test_tuner_times_a_candidate_that_does_not_fit_as_infinitely_slow(monkeypatch):
+    # the forward's tiles and the backward's choice between the `tl` and Hopper kernels share this timing
+    def too_big():
+        raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn() or 0.25)
+    assert triton_flash._time_ms(lambda: None) == 0.25
+    assert triton_flash._time_ms(too_big) == float("inf")
+
+
 @pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
                                                (triton_hopper_backward, "gluon")])
 def test_doc_and_kernel_point_at_each_other(module, decorator):
