@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import triton_hopper, triton_hopper_backward
+from .launch import launch
 
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
@@ -134,9 +135,8 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
             return hopper[1](tile)
         block_m, block_n, warps, stages = tile
         switch = {} if variant is None else {"TMA": variant == "tma"}
-        return jit_fn[grid_of_tile(block_m, block_n)](*(args(block_m) if callable(args) else args), **constants,
-                                                      **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                                      num_stages=stages)
+        return launch(jit_fn, grid_of_tile(block_m, block_n), args(block_m) if callable(args) else args, **constants,
+                      **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
     key = (kernel, tuple(constants.items()), loads, hopper is not None, dtype, triton.next_power_of_2(Tq),
            triton.next_power_of_2(Tk))

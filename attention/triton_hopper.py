@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 # Triton decides at import whether kernels run compiled or in its CPU interpreter, which has no Gluon
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Gluon is experimental and its API moves between releases: this file is written for, and compiled with, Triton
@@ -291,15 +293,21 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> 
     return _is_hopper(q.device) and tma_can_read(q, k, v)
 
 
+@functools.cache
+def shared_layout(block: tuple, dtype: torch.dtype, swizzle: int | None = None) -> "gl.NVMMASharedLayout":
+    """The shared-memory layout of a TMA block: swizzled in atoms of `swizzle` bytes, by default the widest the block
+    allows. Made once per block: a Gluon layout's construction validates its fields, host time on every call."""
+    if swizzle is None:
+        element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+        return gl.NVMMASharedLayout.get_default_for(list(block), element)
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * dtype.itemsize, rank=len(block))
+
+
 def descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "TensorDescriptor":
     """A (B, H, T, D) tensor, any strides, read in (1, 1, rows, D) blocks, swizzled in atoms of `swizzle` bytes
     (default: the widest the block allows; the backward, §13, asks for narrower ones)."""
-    block = [1, 1, rows, t.shape[-1]]
-    if swizzle is None:
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    else:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    block = (1, 1, rows, t.shape[-1])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), shared_layout(block, t.dtype, swizzle))
 
 
 def tiles(head_dim: int, causal: bool) -> list[tuple[int, int, bool]]:
@@ -321,7 +329,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # persistent: one program per SM (one fits: 12 warps at 168 registers fill the register file); its producer
     # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting
     programs = min(n_work, _sm_count(q.device)) if persistent else n_work
-    return _attn_fwd_ws[(programs,)](
-        descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), o, lse,
-        o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work,
-        BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+    return launch(_attn_fwd_ws, (programs,), (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
+                                             o, lse, o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk,
+                                             diag, scale, n_work),
+                  BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)

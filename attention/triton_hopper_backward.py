@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import triton_hopper
+from .launch import launch
 from .triton_hopper import gluon  # None before Triton 3.6
 # the forward's split of the registers: 12 warps at 168 for the launch, then 240 per consumer, 24 for the producer
 from .triton_hopper import CONSUMER_REGS, LAUNCH_REGS, PRODUCER_REGS
@@ -330,21 +331,22 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
     delta = torch.empty_like(lse2)
     dq_acc = torch.empty(B * Hq, Tq_pad, D, dtype=torch.float32, device=q.device)
     rows_grid = (n_m_tiles, B * Hq)
-    _attn_bwd_prepare[rows_grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad,
-                        HEAD_DIM=D, ROWS=BLOCK_M.value)
+    launch(_attn_bwd_prepare, rows_grid, (o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq,
+                                          Tq_pad), HEAD_DIM=D, ROWS=BLOCK_M.value)
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
     kv_desc = lambda t: triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D)  # noqa: E731
     # the float32 dQ buffer as (B*Hq*Tq_pad, D) rows, added into by (M, D/2) blocks (one per consumer warpgroup)
-    dq_block = [BLOCK_M.value, D // 2]
-    dq_desc = TensorDescriptor(dq_acc.view(-1, D), [B * Hq * Tq_pad, D], [D, 1], dq_block,
-                               gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32))
+    dq_block = (BLOCK_M.value, D // 2)
+    dq_desc = TensorDescriptor(dq_acc.view(-1, D), [B * Hq * Tq_pad, D], [D, 1], list(dq_block),
+                               triton_hopper.shared_layout(dq_block, torch.float32))
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
     heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
-    kernel = _attn_bwd_ws[(triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)](
+    kernel = launch(_attn_bwd_ws, (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,), (
         kv_desc(k), kv_desc(v), triton_hopper.descriptor(q, BLOCK_M.value), triton_hopper.descriptor(do, BLOCK_M.value),
         rows_of(lse2), rows_of(delta), dk, dv, *dk.stride()[:3], *dv.stride()[:3], dq_desc, Hkv, Hq // Hkv, B * Hkv,
-        heads_per_group, Tq, Tq_pad, Tk, diag, scale, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
-    _attn_bwd_finish_dq[rows_grid](dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale, HEAD_DIM=D, ROWS=BLOCK_M.value)
+        heads_per_group, Tq, Tq_pad, Tk, diag, scale), STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+    launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale), HEAD_DIM=D,
+           ROWS=BLOCK_M.value)
     return kernel

@@ -67,6 +67,15 @@ def main():
     for backend in ("triton", "sdpa"):
         fn = fwd_bwd(backend)
         rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
+    # the backward alone as benchmarks/attention.py times it: autograd.grad of one kept forward, on autograd's
+    # worker thread (as in training) and on the calling thread
+    for backend in ("triton", "sdpa"):
+        out = attention(q, k, v, causal=True, backend=backend)
+        fn = functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)
+        for threaded in (True, False):
+            with torch.autograd.set_multithreading_enabled(threaded):
+                rows.append((f"bwd autograd.grad, {backend}, {'worker' if threaded else 'calling'} thread",
+                             host_us(fn), triton.testing.do_bench(fn, return_mode="median") * 1e3))
     # as a compiled model calls it: torch.compile'd, on the (B, T, 3, nh, hs) view of a fused projection
     qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compiled_fwd_bwd = {}
@@ -84,6 +93,12 @@ def main():
                 profiler = cProfile.Profile()
                 profiler.runcall(lambda: [fn() for _ in range(100)])
             pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+        out = attention(q, k, v, causal=True, backend="triton")
+        with torch.autograd.set_multithreading_enabled(False):
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [torch.autograd.grad(out, (q, k, v), do, retain_graph=True) for _ in range(100)])
+        print("triton bwd autograd.grad, calling thread")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
         fn = fwd_bwd("triton")
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -92,6 +107,7 @@ def main():
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
+    print("tuner's choices:", triton_flash._best_tile, triton_flash._best_backward)
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
     print("| call | host us/call | do_bench us |\n|---|---|---|")
     for name, host, gpu in rows:

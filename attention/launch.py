@@ -1,0 +1,64 @@
+"""Launching a Triton kernel with less host time than `kernel[grid](*args)` (docs/perf_notes.md, "Issue 6: host time").
+
+Triton compiles a kernel once per *specialisation* of its arguments: each tensor's dtype and whether its address is a
+multiple of 16 bytes, each integer's being 1 or a multiple of 16, each descriptor's dtype, block and layout, and the
+constexprs. `kernel[grid](*args)` works that out from every argument on every call, looks the variant up and only then
+launches: 10-60 us of host time per launch on the H200 box, where our kernels' GPU time at GPT-2's shape is 90-280 us
+for a whole forward or backward, so an eager call could take longer to issue than to run.
+
+`launch` keeps each compiled variant under a *launch key* made of the same facts taken finer: the integers' values
+themselves (not just "1" or "a multiple of 16"), each tensor's dtype and 16-byte alignment, each descriptor's dtype,
+alignment, block, layout, shape and strides, the constexprs, the launch options, the grid and the device. Two calls
+with one key therefore have one specialisation, and a key seen before launches its compiled kernel directly
+(CompiledKernel[grid]); a new key goes through kernel[grid], which compiles the variant or finds it in Triton's
+cache. Floats (the softmax scale) are never specialised and stay out of the key. Under the CPU interpreter there is
+no compiled kernel to keep: every call goes through kernel[grid].
+"""
+import os
+
+import torch
+import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_PLAIN = (int, bool, str, type(None))  # arguments that are their own key
+MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again
+
+# launch key -> (compiled kernel, the grid's launcher of it, the constexprs in parameter order)
+_launches: dict[tuple, tuple] = {}
+
+
+def _arg_key(arg):
+    """What of one argument decides Triton's specialisation (module docstring), hashable."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, float):
+        return float
+    # a host-side tensor descriptor (Gluon's TensorDescriptor, a mutable dataclass, so not hashable itself)
+    return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.layout, tuple(arg.shape),
+            tuple(arg.strides))
+
+
+def launch_key(fn, device: int, grid: tuple, args: tuple, constants: dict) -> tuple:
+    """The key two launches of fn share only if Triton would run the same compiled variant for both."""
+    return (fn, device, grid, tuple(constants.items()), tuple(arg if type(arg) in _PLAIN else _arg_key(arg)
+                                                               for arg in args))
+
+
+def launch(fn, grid: tuple, args: tuple, **constants):
+    """fn[grid](*args, **constants): the kernel's positional arguments, then its constexprs and the launch options
+    (num_warps, num_stages, maxnreg) by name. -> the compiled kernel (its registers, spills, PTX)."""
+    if INTERPRET:
+        return fn[grid](*args, **constants)
+    key = launch_key(fn, torch.cuda.current_device(), grid, args, constants)
+    kept = _launches.get(key)
+    if kept is not None:
+        compiled, launcher, constexprs = kept
+        launcher(*args, *constexprs)
+        return compiled
+    compiled = fn[grid](*args, **constants)
+    if len(_launches) >= MAX_KEYS:
+        _launches.clear()
+    # CompiledKernel[grid] takes every parameter positionally, the constexprs too (or their defaults)
+    constexprs = tuple(constants.get(param.name, param.default) for param in fn.params[len(args):])
+    _launches[key] = (compiled, compiled[tuple(grid) + (1,) * (3 - len(grid))], constexprs)
+    return compiled
