@@ -82,7 +82,7 @@ def main():
     runner_prepare = prepare()[(*rows_grid, 1)]
     prepare_args = (o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], H, T, Tq_pad, D, 64)
     rows = [
-        ("7 torch.empty (dq, dk, dv, lse2, delta, dq_acc)", host_us(empties)),
+        ("6 torch.empty (dq, dk, dv, lse2, delta, dq_acc)", host_us(empties)),
         ("7 TensorDescriptors", host_us(descriptors)),
         ("prepare launch (JIT)", host_us(prepare)),
         ("prepare launch (compiled runner)", host_us(lambda: runner_prepare(*prepare_args))),
