@@ -20,7 +20,7 @@ import torch
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_PLAIN = (int, bool, str, type(None))  # arguments that are their own key
+_PLAIN = (int, str, type(None))  # arguments that are their own key (not bool: True == 1 in a key, not to Triton)
 MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again
 
 # launch key -> (compiled kernel, the grid's launcher of it, the constexprs in parameter order)
@@ -33,6 +33,8 @@ def _arg_key(arg):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, float):
         return float
+    if isinstance(arg, bool):
+        return bool, arg
     # a host-side tensor descriptor (Gluon's TensorDescriptor, a mutable dataclass, so not hashable itself)
     return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.block_shape), arg.layout, tuple(arg.shape),
             tuple(arg.strides))

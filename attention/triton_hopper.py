@@ -329,7 +329,6 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # persistent: one program per SM (one fits: 12 warps at 168 registers fill the register file); its producer
     # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting
     programs = min(n_work, _sm_count(q.device)) if persistent else n_work
-    return launch(_attn_fwd_ws, (programs,), (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
-                                             o, lse, o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk,
-                                             diag, scale, n_work),
-                  BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+    args = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), o, lse, o.stride(0),
+            o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work)
+    return launch(_attn_fwd_ws, (programs,), args, BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)

@@ -332,7 +332,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
     dq_acc = torch.empty(B * Hq, Tq_pad, D, dtype=torch.float32, device=q.device)
     rows_grid = (n_m_tiles, B * Hq)
     launch(_attn_bwd_prepare, rows_grid, (o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq,
-                                          Tq_pad), HEAD_DIM=D, ROWS=BLOCK_M.value)
+           Tq_pad), HEAD_DIM=D, ROWS=BLOCK_M.value)
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out

@@ -34,6 +34,7 @@ def test_what_triton_specialises_on_separates_keys():
     assert key(aligned, 64, BLOCK=128) != base  # a constexpr
     assert key(aligned, 64, BLOCK=64, num_warps=8) != base  # a launch option
     assert key(aligned, 64, grid=(4, 3), BLOCK=64) != base
+    assert key(aligned, 1) != key(aligned, True)  # equal in Python, a constexpr 1 and an i1 to Triton
     t = aligned.view(8, 64)
     desc = key(descriptor(t, (4, 64)))
     assert key(descriptor(t, (8, 64))) != desc  # block shape
