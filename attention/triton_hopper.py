@@ -219,6 +219,8 @@ if gluon is not None:
                            float("inf"))
             gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
 
+    # one function per consumer warpgroup: warp_specialize cannot pass a partition a constexpr (WG), so each
+    # partition fixes its own
     @gluon.jit
     def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
                         stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):

@@ -245,6 +245,7 @@ if gluon is not None:
         dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows.to(gl.int64)[:, None] * stride_dvt
         gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
 
+    # one function per consumer warpgroup, as triton_hopper._softmax_rows_0/_1: a partition's WG is fixed in it
     @gluon.jit
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,

@@ -21,6 +21,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
@@ -42,10 +43,9 @@ def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=launch_regs))
 
 
-def _descriptor_type(rows: int, head_dim: int, layout=None) -> str:
-    from triton.experimental.gluon import language as gl
-
-    layout = layout or gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], gl.bfloat16)
+def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> str:
+    """The type of triton_hopper.descriptor(t, rows, swizzle) for a bf16 t: the layout the launches build."""
+    layout = triton_hopper.shared_layout((1, 1, rows, head_dim), torch.bfloat16, swizzle)
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
@@ -63,14 +63,11 @@ def build(head_dim: int, tile: tuple[int, int]):
 def build_backward(head_dim: int, stages: int):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
     passes."""
-    from triton.experimental.gluon import language as gl
-
     hb = triton_hopper_backward
-    kv = _descriptor_type(hb.BLOCK_N.value, head_dim,
-                          gl.NVMMASharedLayout(swizzle_byte_width=head_dim, element_bitwidth=16, rank=4))
+    kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
-    dq_block = [hb.BLOCK_M.value, head_dim // 2]
-    dq = f"tensordesc<fp32{dq_block},{gl.NVMMASharedLayout.get_default_for(dq_block, gl.float32)}>"
+    dq_block = (hb.BLOCK_M.value, head_dim // 2)
+    dq = f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
     signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
                      do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK="*bf16",
                      DV="*bf16", **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",

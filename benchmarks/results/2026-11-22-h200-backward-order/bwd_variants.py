@@ -11,11 +11,18 @@ dev = "cuda"
 x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16); t0 = time.time()
 while time.time() - t0 < 2: x @ x
 rows = []
-shapes = [(16, 12, 1024, 64, True), (16, 32, 1024, 64, False), (4, 32, 4096, 64, True), (4, 32, 4096, 64, False), (1, 32, 16384, 64, False),
-          (1, 32, 16384, 64, True), (16, 16, 1024, 128, True), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False)]
-if len(sys.argv) > 2 and sys.argv[2] == "hs64-grid":  # the benchmark grid's seven hs=64 cells (a later session's runs)
-    shapes = [(16, 12, 1024, 64, True), (16, 32, 1024, 64, True), (4, 32, 4096, 64, True), (1, 32, 16384, 64, True),
-              (16, 32, 1024, 64, False), (4, 32, 4096, 64, False), (1, 32, 16384, 64, False)]
+# shape sets by name (second argument): this session's, the earlier session's (../2026-11-22-h200-hopper-backward/,
+# run with that session's copy of this probe, without the sanity column), the benchmark grid's seven hs=64 cells
+SHAPES = {
+    "default": [(16, 12, 1024, 64, True), (16, 32, 1024, 64, False), (4, 32, 4096, 64, True), (4, 32, 4096, 64, False),
+                (1, 32, 16384, 64, False), (1, 32, 16384, 64, True), (16, 16, 1024, 128, True),
+                (4, 16, 4096, 128, True), (1, 16, 16384, 128, False)],
+    "hopper-backward": [(16, 12, 1024, 64, True), (4, 32, 4096, 64, True), (1, 32, 16384, 64, False),
+                        (1, 32, 16384, 64, True), (4, 16, 4096, 128, True), (1, 16, 16384, 128, False)],
+    "hs64-grid": [(16, 12, 1024, 64, True), (16, 32, 1024, 64, True), (4, 32, 4096, 64, True), (1, 32, 16384, 64, True),
+                  (16, 32, 1024, 64, False), (4, 32, 4096, 64, False), (1, 32, 16384, 64, False)],
+}
+shapes = SHAPES[sys.argv[2] if len(sys.argv) > 2 else "default"]
 for B, H, T, D, causal in shapes:
     mk = lambda: torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16).transpose(1, 2)
     q, k, v, do = mk(), mk(), mk(), mk()
