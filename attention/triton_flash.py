@@ -753,7 +753,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
             *_mask_args(mask, mask.kv_blocks, Tk))
     hopper = None
     if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
-        tiles = triton_hopper.tiles(D, causal)
+        tiles = triton_hopper.TILES[D]
         if HOPPER_MODE == "1":
             triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0])
             return o, lse

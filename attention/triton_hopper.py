@@ -49,12 +49,11 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # (BLOCK_N, STAGES, PERSISTENT) per head dim: K and V tiles of BLOCK_N rows in a ring of STAGES slots; a program
-# per 128-row query tile, or with PERSISTENT one per SM walking its share of them (not under the causal mask, where
-# the items' lengths differ too much for a fixed share: `tiles`). The ones that won a cell in
-# benchmarks/results/2026-11-22-h200-hopper-forward/ (persistent.jsonl); 12 warps: two consumer warpgroups and the
-# producer's.
-TILES = {64: [(128, 3, False), (64, 4, False), (128, 3, True), (128, 2, True)],
-         128: [(64, 3, False), (64, 4, False), (64, 3, True)]}
+# per 128-row query tile, or with PERSISTENT one per SM walking its share of them in pairs (`_work_item`). The ones
+# that won a cell in benchmarks/results/2026-11-22-h200-causal-pairs/ (pairs.jsonl); 12 warps: two consumer
+# warpgroups and the producer's.
+TILES = {64: [(128, 3, True), (128, 3, False), (128, 2, True)],
+         128: [(128, 3, True), (64, 3, True)]}
 # (constexpr: the kernels read them)
 ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall
 BLOCK_M = tl.constexpr(2 * 64)  # query rows per program
@@ -68,19 +67,33 @@ if gluon is not None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _work_item(w, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr):
-        """Work item w -> (batch*head, first query row, key tiles to visit). The query tiles of one (batch, head)
-        are consecutive items, the last (under the causal mask the longest, §9 work order) first, so the
-        programs running at the same time share their K and V in L2."""
+    def _items(n_work, per_turn):
+        """How many work items this program takes: per turn `per_turn` consecutive ones, program p taking turns p,
+        p + programs, ... (a program per item: per_turn 1 and a grid of n_work; persistent: pairs, `_work_item`)."""
+        n_turns = gl.cdiv(n_work, per_turn)
+        mine = gl.cdiv(n_turns - gl.program_id(0), gl.num_programs(0))  # grids never exceed n_turns
+        last_is_short = (n_work % per_turn != 0) & (gl.program_id(0) + (mine - 1) * gl.num_programs(0) == n_turns - 1)
+        return per_turn * mine - gl.where(last_is_short, per_turn - n_work % per_turn, 0)
+
+    @gluon.jit
+    def _work_item(t, per_turn, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr):
+        """This program's t-th work item -> (batch*head, first query row, key tiles to visit). The query tiles of
+        one (batch, head) are consecutive items, so the programs running at the same time share their K and V in L2.
+        Under the causal mask (§9 work order) a tile's work grows with its position: a program per item takes them
+        last (longest) first; a persistent program takes pairs, ordered last, first, second last, second, ..., so a
+        pair is a long and a short tile whose key tiles add up to the same count for every pair, and every
+        program's share is as long as any other's (measured: perf notes, "pairs of work items")."""
+        w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
         bh = w // n_m_tiles
-        start_m = (n_m_tiles - 1 - w % n_m_tiles) * BLOCK_M
+        rank = w % n_m_tiles
+        start_m = gl.where((per_turn == 2) & (rank % 2 == 1), rank // 2, n_m_tiles - 1 - rank // per_turn) * BLOCK_M
         # §6 the key tiles the tile's last row sees; at least one, so each consumer has a tile to wait for
         n_tiles = gl.maximum(gl.cdiv(gl.minimum(start_m + BLOCK_M - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
         return bh, start_m, n_tiles
 
     @gluon.jit
     def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H, GROUP,
-                    n_m_tiles, n_work, Tk, diag):
+                    n_m_tiles, n_work, per_turn, Tk, diag):
         """The producer warp: for each of the program's work items, Q (once both consumers are done with the
         previous item's), then K_j, V_j into the ring. Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D)
         block: rows past T arrive as zeros, whatever the strides (§9), so a ragged last tile needs no special load."""
@@ -89,9 +102,8 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         loaded = 0  # key tiles loaded so far, over all items: tile number `loaded` goes to slot loaded % STAGES
-        item = 0
-        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            bh, start_m, n_tiles = _work_item(w, n_m_tiles, Tk, diag, BLOCK_N)
+        for item in range(_items(n_work, per_turn)):
+            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N)
             b, h = bh // H, bh % H
             # a fresh mbarrier counts as having completed the phase before phase 0: the first waits pass at once
             mbarrier.wait(q_empty, (item & 1) ^ 1)
@@ -110,7 +122,6 @@ if gluon is not None:
                 _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], ready,
                           v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
             loaded += n_tiles
-            item += 1
 
     @gluon.jit
     def _mask_keys(s, first_row, start_n, diag, Tk, s_layout: gl.constexpr):
@@ -124,7 +135,7 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob,
-                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
         and log-sum-exp."""
         STAGES: gl.constexpr = k_smem.shape[0]
@@ -143,9 +154,8 @@ if gluon is not None:
         Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
-        item = 0
-        for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            bh, start_m, n_tiles = _work_item(w, n_m_tiles, Tk, diag, BLOCK_N)
+        for item in range(_items(n_work, per_turn)):
+            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N)
             first_row = start_m + WG * ROWS
             # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
             # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked
@@ -154,6 +164,9 @@ if gluon is not None:
             mbarrier.wait(q_ready, item & 1)
             if Q_IN_REGISTERS:
                 q = q_smem.index(WG).load(q_operand)  # (ROWS, D)
+                # these reads are the generic proxy's, the copy engine's refill is the async proxy's: without the
+                # fence the next item's Q may land before they are done (seen in 6-42% of launches whose items are short)
+                fence_async_shared()
                 mbarrier.arrive(q_empty, count=1)  # Q read: the next item's may load
             else:
                 q = q_smem.index(WG)
@@ -204,7 +217,6 @@ if gluon is not None:
                 mbarrier.wait(kv_ready.index((seen_tiles + j) % STAGES), ((seen_tiles + j) // STAGES) & 1)
                 mbarrier.arrive(kv_empty.index((seen_tiles + j) % STAGES), count=1)
             seen_tiles += n_tiles
-            item += 1
 
             # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
             l_o = gl.convert_layout(l_i, o_rows)
@@ -223,22 +235,22 @@ if gluon is not None:
     # partition fixes its own
     @gluon.jit
     def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                        stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
         _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                      stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale)
+                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
     def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                        stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale):
+                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
         _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                      stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, qk_scale)
+                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag, scale,
-                     n_work, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the two consumers, which
-        walk the same work items: n_work = 128-row query tiles x batch*head, program p taking items p,
-        p + programs, ... (a program per item, or a persistent grid: forward())."""
+        walk the same work items: n_work = 128-row query tiles x batch*head, a program taking per_turn
+        consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward())."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         n_m_tiles = gl.cdiv(Tq, BLOCK_M)
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
@@ -259,12 +271,12 @@ if gluon is not None:
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                         stride_ot, LSE, H, n_m_tiles, n_work, Tq, Tk, diag, scale * 1.4426950408889634)
+                         stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, scale * 1.4426950408889634)
         gl.warp_specialize([
             (_softmax_rows_0, consumer_args),  # the default partition: the launch's 4 warps
             (_softmax_rows_1, consumer_args),
             (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
-                           GROUP, n_m_tiles, n_work, Tk, diag)),
+                           GROUP, n_m_tiles, n_work, per_turn, Tk, diag)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -312,25 +324,20 @@ def descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "Tenso
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), shared_layout(block, t.dtype, swizzle))
 
 
-def tiles(head_dim: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """The tuner's candidates for a call: under the causal mask a query tile's work grows with its position, up
-    to T / 128-fold, so a persistent program's fixed share would leave SMs idle at the end: a program per tile
-    there, and the GPU's scheduler balances them."""
-    return [tile for tile in TILES[head_dim] if not (causal and tile[2])]
-
-
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool]):
     """Write O into o (B, Hq, Tq, D), any strides with a unit last one, and lse (B, Hq, Tq) float32, natural
     log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT) from
-    `tiles`. -> the compiled kernel (the tuner logs its registers)."""
+    TILES. -> the compiled kernel (the tuner logs its registers)."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     block_n, stages, persistent = tile
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     n_work = triton.cdiv(Tq, BLOCK_M.value) * B * Hq
     # persistent: one program per SM (one fits: 12 warps at 168 registers fill the register file); its producer
-    # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting
-    programs = min(n_work, _sm_count(q.device)) if persistent else n_work
+    # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting.
+    # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
+    per_turn = 2 if persistent else 1
+    programs = min(triton.cdiv(n_work, per_turn), _sm_count(q.device)) if persistent else n_work
     args = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n), o, lse, o.stride(0),
-            o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work)
+            o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag, scale, n_work, per_turn)
     return launch(_attn_fwd_ws, (programs,), args, BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)

@@ -219,7 +219,9 @@ if gluon is not None:
             # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys
             mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
-            fence_async_shared()  # the stores, visible to the other warpgroup's wgmma before it reads them
+            # the stores, visible to the other warpgroup's wgmma before it reads them; the fence also orders this
+            # slot's lse and Delta reads (generic proxy) before the copy engine's refill of it (async proxy)
+            fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
             dq_token = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
