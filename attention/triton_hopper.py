@@ -3,7 +3,7 @@
 The math is triton_flash.py's forward (§2 online softmax, §4 log-sum-exp, §6 causal alignment, §8 exp2
 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
 multiplies and runs the softmax in turn. Here a program takes work items, 128 query rows of one (batch, head)
-each (one item, or with a persistent grid a share of them: _work_item), and splits:
+each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
 
   _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into a ring of STAGES shared-memory
                       slots, each slot refilled as soon as both consumers are done with it;
@@ -79,10 +79,10 @@ if gluon is not None:
     def _work_item(t, per_turn, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr):
         """This program's t-th work item -> (batch*head, first query row, key tiles to visit). The query tiles of
         one (batch, head) are consecutive items, so the programs running at the same time share their K and V in L2.
-        Under the causal mask (§9 work order) a tile's work grows with its position: a program per item takes them
-        last (longest) first; a persistent program takes pairs, ordered last, first, second last, second, ..., so a
-        pair is a long and a short tile whose key tiles add up to the same count for every pair, and every
-        program's share is as long as any other's (measured: perf notes, "pairs of work items")."""
+        Under the causal mask a tile's work grows with its position (§12 "A persistent grid"): a program per item
+        takes them last (longest) first; a persistent program takes pairs, ordered last, first, second last,
+        second, ..., so a pair is a long and a short tile whose key tiles add up to the same count for every pair,
+        and every program's share is as long as any other's."""
         w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
         bh = w // n_m_tiles
         rank = w % n_m_tiles
@@ -164,8 +164,8 @@ if gluon is not None:
             mbarrier.wait(q_ready, item & 1)
             if Q_IN_REGISTERS:
                 q = q_smem.index(WG).load(q_operand)  # (ROWS, D)
-                # these reads are the generic proxy's, the copy engine's refill is the async proxy's: without the
-                # fence the next item's Q may land before they are done (seen in 6-42% of launches whose items are short)
+                # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
+                # fence the next item's Q may land before they are done (§12; wrong rows in 6-42% of launches)
                 fence_async_shared()
                 mbarrier.arrive(q_empty, count=1)  # Q read: the next item's may load
             else:

@@ -52,7 +52,7 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == len({tile[:2] for tile in triton_hopper.TILES[head_dim]}), builds  # one per (BLOCK_N, STAGES)
+    assert len(builds) == len({tile[:2] for tile in triton_hopper.TILES[head_dim]}), builds  # a (BLOCK_N, STAGES) each
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
         # The tiles were chosen on the GPU box's Triton 3.6, which builds every one without spills. Triton 3.9's
@@ -129,7 +129,8 @@ def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles if tile[2]])
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles
+                                     if tile[2]])  # the persistent ones
 def test_persistent_programs_walk_several_pairs_and_a_lone_item(monkeypatch, D, tile):
     # a persistent program takes pairs of items, p, p + programs, ... (triton_hopper._items): here more pairs than
     # SMs, so some programs walk two, and an odd item count, so the last pair is a lone item. Items of one to three
