@@ -57,9 +57,12 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
         # The tiles were chosen on the GPU box's Triton 3.6, which builds every one without spills. Triton 3.9's
         # register allocation parks values on the stack (9 stores at hs=64, BLOCK_N=128; 102 at hs=128, BLOCK_N=128):
-        # where that costs time, the tuner, which times the tiles as built, takes another.
+        # where that costs time, the tuner, which times the tiles as built, takes another. Under other versions the
+        # bound only catches a change that spills far more than that.
         if triton.__version__.startswith("3.6."):
             assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
+        else:
+            assert built["spill_stores"] <= 128 and built["stack_bytes"] <= 256, built
 
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
