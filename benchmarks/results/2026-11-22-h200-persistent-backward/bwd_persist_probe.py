@@ -37,7 +37,7 @@ def cell(B, H, T, D, causal, rounds=int(os.environ.get('PROBE_ROUNDS', '2'))):
     for s in old.TILES[D]:
         runs[f"grouped_s{s}"] = lambda s=s: old.backward(do, q, k, v, o, lse, *grads, causal, scale, s)
     for s, p in new.TILES[D]:
-        if p or os.environ.get("PROBE_EACH") == "1":
+        if (p or os.environ.get("PROBE_EACH") == "1") and os.environ.get("PROBE_HEAD_ORDER", "1") == "1":
             runs[f"{'pers' if p else 'each'}_s{s}"] = lambda t=(s, p): new.backward(do, q, k, v, o, lse, *grads, causal, scale, t)
         runs[f"{'gpers' if p else 'geach'}_s{s}"] = lambda t=(s, p): pgr.backward(do, q, k, v, o, lse, *grads, causal, scale, t)
     times = {name: [] for name in runs}
