@@ -12,8 +12,9 @@ a pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and
   _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
                       dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
                       dS^T into shared memory, and each computes half of dQ's columns from all 128 keys:
-                      dQ[:, half] = dS K[:, half], stored to a staging tile in shared memory that the copy engine
-                      adds into the float32 buffer (a TMA reduce, _tma_add) while the warpgroup goes on.
+                      dQ[:, half] = dS K[:, half] (at hs=128, warpgroup 1 one tile late), stored to a staging tile
+                      in shared memory that the copy engine adds into the float32 buffer (a TMA reduce, _tma_add)
+                      while the warpgroup goes on.
 
 Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
 tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
@@ -28,7 +29,8 @@ Synchronisation, with mbarriers (a phase bit flips each time the expected arriva
   qdo_ready[s]        the same for the query tile in ring slot s (Q, dO, lse, Delta);
   qdo_empty[s]        count 2: each consumer arrives when its matmuls reading Q and dO of slot s are done;
   ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
-                      (both dQ matmuls that read it are done). The consumers meet there once per query tile.
+                      (both dQ matmuls that read it are done). The consumers meet there once per query tile; at
+                      hs=128 warpgroup 1 reads the buffer of the tile before, so only warpgroup 0 waits.
 The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
 
 The float32 adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
@@ -60,9 +62,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
 KEYS = tl.constexpr(64)  # keys per consumer warpgroup
 BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one wgmma tall
-# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md). At hs=128 the
-# consumers' dK and dV alone take 128 of their 240 registers and the build spills (~70 stores), and a third slot
-# would not fit in shared memory; it still beats the `tl` backward at T >= 4k, and the tuner decides per shape.
+# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md); the tuner picks per
+# shape. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers and the build spills (33 stores);
+# a third slot fits in shared memory but spills more and ran 11-15% slower (§13).
 TILES = {64: [2, 3], 128: [2]}
 # a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
 DQ_GROUP_BYTES = 8 << 20
@@ -159,6 +161,30 @@ if gluon is not None:
             triton_hopper._tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
 
     @gluon.jit
+    def _dq_half(u, ds_smem, k_half, ds_ready):
+        """Issue dQ[:, half] = dS K[:, half] (M, D/2) of query tile u once both halves of its dS^T are in buffer u % 2;
+        -> the wgmma's token."""
+        HALF: gl.constexpr = k_half.shape[1]
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])  # 4 warps along the rows
+        mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
+        return warpgroup_mma(ds_smem.index(u % 2).permute((1, 0)), k_half,
+                             gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _add_dq_half(WG: gl.constexpr, u, dq, ds_empty, dq_desc, dq_smem, bh, start_m, Tq_pad):
+        """Query tile u's dQ[:, half] done: free its dS^T buffer, and have the copy engine add dq into the float32
+        buffer's rows of query head bh from a staging tile. A warpgroup has STAGING of them (_attn_bwd_ws), used in
+        turn: the one this tile takes is free once at most STAGING - 1 reductions still read theirs."""
+        STAGING: gl.constexpr = dq_smem.shape[0] // 2
+        mbarrier.arrive(ds_empty.index(u % 2), count=1)
+        staging = dq_smem.index(WG * STAGING + u % STAGING)  # (M, D/2)
+        tma.store_wait(STAGING - 1)
+        staging.store(dq)
+        fence_async_shared()  # the stores, visible to the copy engine
+        _tma_add(dq_desc, [bh * Tq_pad + start_m, WG * dq.shape[1]], staging)
+
+    @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
@@ -168,14 +194,13 @@ if gluon is not None:
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
-        # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D),
-        # this warpgroup's dQ columns (M, D/2)
+        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13; 0-4% slower at hs=64)
+        LAG: gl.constexpr = 0 if HEAD_DIM == 64 else 1
+        # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D)
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF, 16])
         lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
         bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
@@ -190,14 +215,13 @@ if gluon is not None:
         mbarrier.wait(kv_ready, 0)
 
         per_head = gl.cdiv(Tq, BLOCK_M) - first_m
-        for t in range(GROUP * per_head):
+        n_tiles = GROUP * per_head  # query tiles: per_head for each query head of the kv head's group (§7)
+        for t in range(n_tiles):
             slot = t % STAGES
             buf = t % 2
-            bh = b * H_kv * GROUP + h_kv * GROUP + t // per_head  # the query head's batch*head index (§7)
             start_m = (first_m + t % per_head) * BLOCK_M
             mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
             lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,) base-2 lse, a column of S^T each
-            delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,)
             q = q_smem.index(slot)  # (M, D)
             do = do_smem.index(slot)
             st_token = warpgroup_mma(k_mine, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout),
@@ -212,30 +236,37 @@ if gluon is not None:
             pt = gl.exp2(st * qk_scale - lse2[None, :])  # §8 P^T; 0 in padding rows (lse +inf)
             pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
             dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
+            # loaded here, not with lse: at hs=128 holding it over the exp2s spilled scalars in the loop
+            delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,)
             dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T (KEYS, M); dV may still be running
             dst = (pt * (dpt - delta[None, :])).to(q_smem.dtype)  # §5 dS^T
             dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
-            # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys
+            # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys, of
+            # query tile u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are already
+            # there, so that it does not wait for warpgroup 0 and the two run out of step
             mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
             # the stores, visible to the other warpgroup's wgmma before it reads them; the fence also orders this
             # slot's lse and Delta reads (generic proxy) before the copy engine's refill of it (async proxy)
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
-            dq_token = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_half,
-                                     gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
-            mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
-            mbarrier.arrive(ds_empty.index(buf), count=1)
-            # the copy engine adds dQ[:, half] into the float32 buffer from a staging tile (two per warpgroup): the
-            # one of two tiles ago is free once at most one reduction (the last tile's) still reads its source
-            staging = dq_smem.index(WG * 2 + buf)  # (M, D/2)
-            tma.store_wait(1)
-            staging.store(dq)
-            fence_async_shared()  # the stores, visible to the copy engine
-            _tma_add(dq_desc, [bh * Tq_pad + start_m, WG * HALF], staging)
+            u = t - WG * LAG
+            if u >= 0:
+                dq_token = _dq_half(u, ds_smem, k_half, ds_ready)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
+                mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
+                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_kv * GROUP + u // per_head,
+                             (first_m + u % per_head) * BLOCK_M, Tq_pad)
+            else:  # warpgroup 1's first tile at hs=128
+                dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
+                mbarrier.arrive(qdo_empty.index(slot), count=1)
+        if WG * LAG == 1:
+            if n_tiles > 0:  # the last tile's dQ half
+                u = n_tiles - 1
+                dq = warpgroup_mma_wait(0, deps=[_dq_half(u, ds_smem, k_half, ds_ready)])
+                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_kv * GROUP + u // per_head,
+                             (first_m + u % per_head) * BLOCK_M, Tq_pad)
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
@@ -285,8 +316,11 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
-        # dQ staging: two (M, D/2) float32 tiles per consumer warpgroup, laid out as the copy engine reads them
-        dq_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+        # dQ staging: STAGING (M, D/2) float32 tiles per consumer warpgroup, laid out as the copy engine reads them.
+        # Two at hs=64, so that a reduction runs on while the next tile's dQ is staged; one at hs=128, where the
+        # 32 KB less measured 4-7% faster and the spilled scalars' L1 hit rate rose from 87% to 98% (§13)
+        STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
