@@ -261,8 +261,8 @@ if gluon is not None:
             else:  # warpgroup 1's first tile at hs=128
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)
-        if WG * LAG == 1:
-            if n_tiles > 0:  # the last tile's dQ half
+        if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
+            if n_tiles > 0:
                 u = n_tiles - 1
                 dq = warpgroup_mma_wait(0, deps=[_dq_half(u, ds_smem, k_half, ds_ready)])
                 _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_kv * GROUP + u // per_head,
