@@ -194,7 +194,8 @@ if gluon is not None:
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
-        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13; 0-4% slower at hs=64)
+        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13); at hs=64, best stage count
+        # against best, that measured -2% to +1%: off there
         LAG: gl.constexpr = 0 if HEAD_DIM == 64 else 1
         # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D)
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 sys.path.insert(0, os.path.dirname(__file__))
 from attention import triton_flash, triton_hopper_backward as package
-import hbv_committed, hbv_offset, hbv_offset1, hbv_staging1, hbv_late, hbv_pbf16, hbv_offset_late
+import hbv_committed, hbv_offset, hbv_offset1, hbv_staging1, hbv_late, hbv_pbf16, hbv_offset_late, hbv_lag64
 
 VARIANTS = dict(committed=hbv_committed, offset=hbv_offset, offset1=hbv_offset1, staging1=hbv_staging1, late=hbv_late,
-                pbf16=hbv_pbf16, offset_late=hbv_offset_late, package=package)
+                pbf16=hbv_pbf16, offset_late=hbv_offset_late, package=package,
+                lag64=hbv_lag64)
 if os.environ.get("PROBE_VARIANTS"):
     VARIANTS = {n: VARIANTS[n] for n in os.environ["PROBE_VARIANTS"].split(",")}
 OUT = os.environ.get("OUT", "out")
