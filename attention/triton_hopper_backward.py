@@ -30,7 +30,7 @@ Synchronisation, with mbarriers (a phase bit flips each time the expected arriva
   qdo_empty[s]        count 2: each consumer arrives when its matmuls reading Q and dO of slot s are done;
   ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
                       (both dQ matmuls that read it are done). The consumers meet there once per query tile; at
-                      hs=128 warpgroup 1 reads the buffer of the tile before, so only warpgroup 0 waits.
+                      hs=128 warpgroup 1 reads the buffer of the tile before, so it seldom waits there.
 The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
 
 The float32 adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
@@ -244,8 +244,8 @@ if gluon is not None:
             dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
             # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys, of
-            # query tile u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are already
-            # there, so that it does not wait for warpgroup 0 and the two run out of step
+            # query tile u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are usually
+            # in already, so that it seldom waits for warpgroup 0 and the two run out of step
             mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
             # the stores, visible to the other warpgroup's wgmma before it reads them; the fence also orders this
