@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from test_triton import ROOT, assert_matches_fp64, out_and_grads, qkv
 
@@ -33,17 +34,24 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
 
 
 @needs_gluon
-def test_builds_for_hopper_with_bulk_reductions_and_no_spills():
+@pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
+def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
     # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--backward", "--head_dim", "64"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--backward", "--head_dim", str(head_dim)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    for line in run.stdout.splitlines():
-        built = json.loads(line)
+    builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(builds) == len(triton_hopper_backward.TILES[head_dim]), builds  # one per STAGES
+    for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
         assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (_tma_add)
-        assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
+        if head_dim == 64:
+            assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
+        else:
+            # §13: at hs=128 the consumers' scalars spill, and that cost 10-15% on the H200 until Delta's load moved
+            # (67 -> 33 spill stores with Triton 3.6, 83 -> 59 with 3.9); the bound catches a change that undoes it
+            assert built["spill_stores"] <= (40 if triton.__version__.startswith("3.6.") else 70), built
 
 
 def test_pre_and_post_pass():
