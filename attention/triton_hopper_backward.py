@@ -124,6 +124,12 @@ if gluon is not None:
         first_m = gl.minimum(gl.maximum(start_n - diag, 0), Tq) // BLOCK_M
         return bh_kv, start_n, first_m
 
+    @gluon.jit
+    def _query_tile(t, bh_kv, GROUP, first_m, per_head):
+        """A program's t-th query tile -> (the query head's batch*head index, first row): per_head tiles from
+        first_m on for each query head of the kv head's group in turn (§7)."""
+        return bh_kv * GROUP + t // per_head, (first_m + t % per_head) * BLOCK_M
+
     @builtin
     def _tma_add(desc, coord, src, _semantic=None):
         """global[desc's block at coord] += shared memory src, by the copy engine (`cp.reduce.async.bulk.tensor
@@ -151,12 +157,13 @@ if gluon is not None:
             mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's first wait passes
             ready = qdo_ready.index(slot)
             mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
-            h, start_m = h_kv * GROUP + t // per_head, (first_m + t % per_head) * BLOCK_M
+            bh, start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)
+            h = bh - b * H_kv * GROUP
             triton_hopper._tma_load(q_desc, [b, h, start_m, 0], ready,
                                     q_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
             triton_hopper._tma_load(do_desc, [b, h, start_m, 0], ready,
                                     do_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-            row_index = ((b * H_kv + h_kv) * GROUP + t // per_head) * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
+            row_index = bh * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
             triton_hopper._tma_load(lse_desc, [row_index], ready, lse_smem.index(slot))
             triton_hopper._tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
 
@@ -220,7 +227,7 @@ if gluon is not None:
         for t in range(n_tiles):
             slot = t % STAGES
             buf = t % 2
-            start_m = (first_m + t % per_head) * BLOCK_M
+            start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
             mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
             lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,) base-2 lse, a column of S^T each
             q = q_smem.index(slot)  # (M, D)
@@ -257,8 +264,8 @@ if gluon is not None:
                 dq_token = _dq_half(u, ds_smem, k_half, ds_ready)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
-                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_kv * GROUP + u // per_head,
-                             (first_m + u % per_head) * BLOCK_M, Tq_pad)
+                bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
+                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
             else:  # warpgroup 1's first tile at hs=128
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)
@@ -266,8 +273,8 @@ if gluon is not None:
             if n_tiles > 0:
                 u = n_tiles - 1
                 dq = warpgroup_mma_wait(0, deps=[_dq_half(u, ds_smem, k_half, ds_ready)])
-                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_kv * GROUP + u // per_head,
-                             (first_m + u % per_head) * BLOCK_M, Tq_pad)
+                bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
+                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
