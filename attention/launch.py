@@ -13,8 +13,14 @@ with one key therefore have one specialisation, and a key seen before launches i
 (CompiledKernel[grid]); a new key goes through kernel[grid], which compiles the variant or finds it in Triton's
 cache. Floats (the softmax scale) are never specialised and stay out of the key. Under the CPU interpreter there is
 no compiled kernel to keep: every call goes through kernel[grid].
+
+Working out the key still costs host time (~45 arguments, descriptors among them). A caller that already knows its
+next calls specialise as this one did (triton_flash's launch plans: same shapes, strides, dtype and alignment) skips
+it: launch returns `again`, which launches the same compiled kernel on new arguments without a key.
 """
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,8 +29,24 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _PLAIN = (int, str, type(None))  # arguments that are their own key (not bool: True == 1 in a key, not to Triton)
 MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again
 
-# launch key -> (compiled kernel, the grid's launcher of it, the constexprs in parameter order)
-_launches: dict[tuple, tuple] = {}
+
+
+class Launched(NamedTuple):
+    """What a launch leaves behind: the compiled kernel (its registers, spills, PTX; under the interpreter whatever
+    kernel[grid] returned) and again(*args), the same launch on new arguments that specialise as the first ones did."""
+    compiled: object
+    again: Callable
+
+
+# launch key -> the Launched of its first launch
+_launches: dict[tuple, Launched] = {}
+
+
+def remember(cache: dict, key, value) -> None:
+    """cache[key] = value, forgetting everything past MAX_KEYS entries (a run over ever-new shapes)."""
+    if len(cache) >= MAX_KEYS:
+        cache.clear()
+    cache[key] = value
 
 
 def _arg_key(arg):
@@ -46,21 +68,20 @@ def launch_key(fn, device: int, grid: tuple, args: tuple, constants: dict) -> tu
                                                                for arg in args))
 
 
-def launch(fn, grid: tuple, args: tuple, **constants):
+def launch(fn, grid: tuple, args: tuple, **constants) -> Launched:
     """fn[grid](*args, **constants): the kernel's positional arguments, then its constexprs and the launch options
-    (num_warps, num_stages, maxnreg) by name. -> the compiled kernel (its registers, spills, PTX)."""
+    (num_warps, num_stages, maxnreg) by name. -> Launched: the compiled kernel and the launch to repeat."""
     if INTERPRET:
-        return fn[grid](*args, **constants)
+        return Launched(fn[grid](*args, **constants), lambda *args: fn[grid](*args, **constants))
     key = launch_key(fn, torch.cuda.current_device(), grid, args, constants)
     kept = _launches.get(key)
     if kept is not None:
-        compiled, launcher, constexprs = kept
-        launcher(*args, *constexprs)
-        return compiled
+        kept.again(*args)
+        return kept
     compiled = fn[grid](*args, **constants)
-    if len(_launches) >= MAX_KEYS:
-        _launches.clear()
     # CompiledKernel[grid] takes every parameter positionally, the constexprs too (or their defaults)
     constexprs = tuple(constants.get(param.name, param.default) for param in fn.params[len(args):])
-    _launches[key] = (compiled, compiled[tuple(grid) + (1,) * (3 - len(grid))], constexprs)
-    return compiled
+    launcher = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+    kept = Launched(compiled, lambda *args: launcher(*args, *constexprs))
+    remember(_launches, key, kept)
+    return kept

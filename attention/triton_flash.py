@@ -19,6 +19,7 @@ a power of two (columns >= HEAD_DIM load as 0 and are never stored, so nothing i
 """
 import functools
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import triton_hopper, triton_hopper_backward
-from .launch import launch
+from .launch import Launched, launch, remember
 
 # Triton decides when a kernel is defined (this import) whether it runs compiled on the GPU or in
 # its numpy interpreter on the CPU; the op's device check reads the same flag.
@@ -112,14 +113,16 @@ tuning_log: list | None = None
 
 
 def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,
-            block: int | None = None, loads: tuple[str, ...] | None = None, hopper=None) -> None:
+            block: int | None = None, loads: tuple[str, ...] | None = None, hopper=None) -> tuple[tuple, Launched]:
     """Launch jit_fn with the fastest tile for this call's key, timing the candidates on first use (§9).
+    -> the choice, (tile, variant), and its Launched (attention/launch.py), whose `again` takes jit_fn's
+    arguments, or for the Hopper kernel what its launch's `again` takes.
     args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists
     are cut in tiles, attention/triton_moba.py). block: a size the tiles must divide (§10, §11).
     loads: the settings of the kernel's TMA switch to time with every tile, "tma" (descriptor loads)
     and "pointers", or only "pointers" where descriptors cannot read the tensors; None for a kernel
     without the switch. hopper: (tiles, launch) of the warp-specialized forward (§12) where it can run
-    the call, timed beside jit_fn's tiles; launch(tile) runs it.
+    the call, timed beside jit_fn's tiles; launch(tile) runs it and returns its Launched.
 
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
@@ -148,18 +151,19 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
                       for variant in (loads or [None])]
         candidates += [(tile, "hopper") for tile in (hopper[0] if hopper else [])]
         if os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0" or INTERPRET:
-            _best_tile[key] = _first_that_fits(candidates, run)  # launched: this call is done
-            return
+            choice, launched = _first_that_fits(candidates, run)  # launched: this call is done
+            _best_tile[key] = choice
+            return choice, launched
         times = {choice: _time_ms(functools.partial(run, choice)) for choice in candidates}
         choice = min(times, key=times.get)
         _best_tile[key] = choice
+        launched = run(choice)
         if tuning_log is not None:  # with what the compiler made of the chosen tile
-            compiled = run(choice)
             tuning_log.append(dict(kernel=kernel, constants=constants, Tq=Tq, Tk=Tk, times_ms=times,
-                                   registers=compiled.n_regs, spills=compiled.n_spills,
-                                   wgmma=compiled.asm["ptx"].count("wgmma.mma_async")))
-            return
-    run(choice)
+                                   registers=launched.compiled.n_regs, spills=launched.compiled.n_spills,
+                                   wgmma=launched.compiled.asm["ptx"].count("wgmma.mma_async")))
+        return choice, launched
+    return choice, run(choice)
 
 
 def _time_ms(fn) -> float:
@@ -175,17 +179,15 @@ def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
 
 
-def _first_that_fits(candidates: list[tuple], run) -> tuple:
+def _first_that_fits(candidates: list[tuple], run) -> tuple[tuple, Launched]:
     """Launch the first candidate that compiles within the GPU's shared memory (tuning off);
-    -> that candidate. The last candidate's error, if it fails too, is the caller's."""
+    -> that candidate and its launch. The last candidate's error, if it fails too, is the caller's."""
     for choice in candidates[:-1]:
         try:
-            run(choice)
-            return choice
+            return choice, run(choice)
         except OutOfResources:
             continue
-    run(candidates[-1])
-    return candidates[-1]
+    return candidates[-1], run(candidates[-1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -742,28 +744,74 @@ def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
             unbounded if right < 0 else right, docs, docs.stride(0) if docs is not None else 0, mask.tile_bits)
 
 
+# Launch plans. A dense call's launches depend on its tensors only through their shapes, strides, dtypes, 16-byte
+# alignment and device, and on the settings in _plan_key: its plan key. The first call of a key takes the whole path
+# (the kernels' eligibility checks, the tuner, attention/launch.py's keys over every argument) and leaves a plan,
+# again(the call's tensors, scale): its launches with everything else worked out. Later calls of the key run the
+# plan. At GPT-2's shape the whole path cost more host time than the kernels' GPU time (docs/perf_notes.md,
+# "launch plans"). Block-sparse calls (§10) take the whole path every time: their masks are tensors of their own.
+_plans: dict[tuple, Callable] = {}
+
+
+def _plan_key(kind: str, causal: bool, *tensors: torch.Tensor) -> tuple:
+    return (kind, causal, HOPPER_MODE, TMA_MODE, torch.are_deterministic_algorithms_enabled(), tensors[0].device,
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
+    """Run the plan kept under key on call, or whole_path(), which launches the call and returns its plan."""
+    again = None if key is None else _plans.get(key)
+    if again is not None:
+        again(*call)
+        return
+    again = whole_path()
+    if key is not None:
+        remember(_plans, key, again)
+
+
 def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
     that see no key)."""
     B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
     o = empty_bthd(B, Hq, Tq, D, q)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
+    key = _plan_key("fwd", causal, q, k, v) if mask is DENSE else None
+    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask), q, k, v, o, lse, scale)
+    return o, lse
+
+
+def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs) -> tuple:
+    """_attn_fwd's arguments, up to the constexprs."""
+    Hq, Tq, Hkv, Tk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    return (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
             *_mask_args(mask, mask.kv_blocks, Tk))
+
+
+def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale)."""
+    B, Hq, Tq, D = q.shape
+    Tk = k.shape[2]
     hopper = None
     if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
         tiles = triton_hopper.TILES[D]
         if HOPPER_MODE == "1":
-            triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0])
-            return o, lse
+            return triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0]).again
         hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
-    _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
-            _constants(q, causal, mask), Tq, Tk, q.dtype, _tiles_divide(mask),
-            loads=("tma", "pointers") if _use_tma(q, k, v, o) else ("pointers",), hopper=hopper)
-    return o, lse
+    tma = _use_tma(q, k, v, o)
+    choice, launched = _launch("fwd", _attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+                               _forward_args(q, k, v, o, lse, scale, mask), _constants(q, causal, mask), Tq, Tk,
+                               q.dtype, _tiles_divide(mask), loads=("tma", "pointers") if tma else ("pointers",),
+                               hopper=hopper)
+    if choice[1] == "hopper":
+        return launched.again
+
+    def again(q, k, v, o, lse, scale):
+        if tma:
+            triton.set_allocator(_scratch_allocator)  # per thread, as in _launch
+        launched.again(*_forward_args(q, k, v, o, lse, scale, mask))
+    return again
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
@@ -773,20 +821,27 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
+    key = _plan_key("bwd", causal, do, q, k, v, o, lse, dq, dk, dv) if mask is DENSE else None
+    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask),
+             do, q, k, v, o, lse, dq, dk, dv, scale)
+    return dq, dk, dv
+
+
+def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
+    D, Tq, Tk = q.shape[-1], q.shape[2], k.shape[2]
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in
     if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
             and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
-        stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, causal, scale, mask, dq, dk, dv), hopper,
+        stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
                                   triton_hopper_backward.TILES[D],
                                   (D, causal, q.dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)))
         if stages is not None:
-            hopper(stages)
-            return dq, dk, dv
-    _tl_backward(do, q, k, v, o, lse, causal, scale, mask, dq, dk, dv)
-    return dq, dk, dv
+            return hopper(stages).again
+    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
 
 
 # tuning key -> the backward's choice on Hopper: None (the `tl` kernels) or the Hopper kernel's STAGES
@@ -812,20 +867,30 @@ def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple
     return _best_backward[key]
 
 
-def _tl_backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, dq, dk, dv) -> None:
-    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel."""
+def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel.
+    -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    delta = torch.empty_like(lse)
-    constants = _constants(q, causal, mask)
-    seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
 
+    def args(do, q, k, v, o, lse, dq, dk, dv, scale):
+        """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
+        delta = torch.empty_like(lse)
+        seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
+        return ((q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                 *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)),
+                (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                 *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)))
+    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale)
+    constants = _constants(q, causal, mask)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
-    _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-            (q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-             *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)), constants, Tq, Tk, q.dtype,
-            _tiles_divide(mask))
-    _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
-            (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-             *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)), constants, Tq, Tk, q.dtype,
-            _tiles_divide(mask))
+    _, dq_launched = _launch("dq", _attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), dq_args,
+                             constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+    _, dkdv_launched = _launch("dkdv", _attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
+                               dkdv_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+
+    def again(*call):
+        dq_args, dkdv_args = args(*call)
+        dq_launched.again(*dq_args)
+        dkdv_launched.again(*dkdv_args)
+    return again

@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 
 from . import triton_hopper
-from .launch import launch
+from .launch import Launched, launch
 from .triton_hopper import gluon  # None before Triton 3.6
 # the forward's split of the registers: 12 warps at 168 for the launch, then 240 per consumer, 24 for the producer
-from .triton_hopper import CONSUMER_REGS, LAUNCH_REGS, PRODUCER_REGS
+from .triton_hopper import CONSUMER_REGS, LAUNCH_REGS, PRODUCER_REGS, rebased
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
@@ -365,33 +365,56 @@ def supports(q, k, v, o, do, grads, dense: bool) -> bool:
             and all(t.stride(-1) == 1 for t in (o, *grads)))
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages: int):
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages: int) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
-    float32 from the forward. stages: slots in the Q/dO ring, from TILES. -> the compiled main kernel."""
+    float32 from the forward. stages: slots in the Q/dO ring, from TILES. -> Launched: the compiled main kernel and
+    again(do, q, k, v, o, lse, dq, dk, dv, scale), the same three launches for tensors shaped, strided and aligned
+    like these."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
     Tq_pad = n_m_tiles * BLOCK_M.value
-    lse2 = torch.empty(B * Hq, Tq_pad, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse2)
-    dq_acc = torch.empty(B * Hq, Tq_pad, D, dtype=torch.float32, device=q.device)
     rows_grid = (n_m_tiles, B * Hq)
-    launch(_attn_bwd_prepare, rows_grid, (o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], Hq, Tq,
-           Tq_pad), HEAD_DIM=D, ROWS=BLOCK_M.value)
-    diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
-    rows_of = lambda t: TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)  # noqa: E731
+
+    device = q.device  # (again must not keep q alive)
+
+    def buffers():
+        """lse2, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D): the pre-pass writes all three"""
+        lse2 = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
+        return lse2, torch.empty_like(lse2), torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
+    lse2, delta, dq_acc = buffers()
+    sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad)
+    first_prepare = launch(_attn_bwd_prepare, rows_grid, (o, do, lse, lse2, delta, dq_acc, *sizes_prepare),
+                           HEAD_DIM=D, ROWS=BLOCK_M.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
-    kv_desc = lambda t: triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D)  # noqa: E731
-    # the float32 dQ buffer as (B*Hq*Tq_pad, D) rows, added into by (M, D/2) blocks (one per consumer warpgroup)
+    k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
+    q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
+    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT) for t in (lse2, delta))
+    # the float32 dQ buffer's rows, added into by (M, D/2) blocks (one per consumer warpgroup)
     dq_block = (BLOCK_M.value, D // 2)
-    dq_desc = TensorDescriptor(dq_acc.view(-1, D), [B * Hq * Tq_pad, D], [D, 1], list(dq_block),
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
                                triton_hopper.shared_layout(dq_block, torch.float32))
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
     heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
-    kernel = launch(_attn_bwd_ws, (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,), (
-        kv_desc(k), kv_desc(v), triton_hopper.descriptor(q, BLOCK_M.value), triton_hopper.descriptor(do, BLOCK_M.value),
-        rows_of(lse2), rows_of(delta), dk, dv, *dk.stride()[:3], *dv.stride()[:3], dq_desc, Hkv, Hq // Hkv, B * Hkv,
-        heads_per_group, Tq, Tq_pad, Tk, diag, scale), STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
-    launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale), HEAD_DIM=D,
-           ROWS=BLOCK_M.value)
-    return kernel
+    diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
+    grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
+    sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
+    main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
+    first_main = launch(_attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk, dv,
+                                                  *grad_strides, dq_desc, *sizes_main, scale),
+                        STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+    sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
+    first_finish = launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
+                          ROWS=BLOCK_M.value)
+    # again keeps the descriptors' layouts, not this call's tensors (50 MB of float32 dQ at GPT-2's shape)
+    k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
+        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
+
+    def again(do, q, k, v, o, lse, dq, dk, dv, scale):
+        lse2, delta, dq_acc = buffers()
+        first_prepare.again(o, do, lse, lse2, delta, dq_acc, *sizes_prepare)
+        first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
+                         rebased(lse_desc, lse2), rebased(delta_desc, delta), dk, dv, *grad_strides,
+                         rebased(dq_desc, dq_acc), *sizes_main, scale)
+        first_finish.again(dq_acc, dq, *sizes_finish, scale)
+    return Launched(first_main.compiled, again)

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -23,3 +24,12 @@ def default_tiles(monkeypatch):
     """Each kernel launches its first tile that fits (NANOFLASH_AUTOTUNE=0): timing every candidate
     for every new shape would make the GPU tests take minutes. Modules opt in with usefixtures."""
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
+
+
+@pytest.fixture(autouse=True)
+def no_launch_plans():
+    """Each test starts without triton_flash's launch plans: a test that changes a setting the plans bind (a
+    monkeypatched tile list, say) must see its first call take the whole path."""
+    triton_flash = sys.modules.get("attention.triton_flash")
+    if triton_flash is not None:
+        triton_flash._plans.clear()

@@ -1,9 +1,12 @@
 """attention/launch.py: two launches share a key only if Triton would compile them alike, so a kept kernel never
-runs on arguments it was not compiled for."""
+runs on arguments it was not compiled for. triton_flash's launch plans: likewise one plan per dense call that
+launches alike, and later calls run it on their own tensors."""
 import types
 
 import torch
+from test_triton import assert_matches_fp64, assert_qkvpacked_matches_fp64, qkv
 
+from attention import triton_flash
 from attention.launch import launch_key
 
 
@@ -41,3 +44,74 @@ def test_what_triton_specialises_on_separates_keys():
     assert key(descriptor(t, (4, 64), layout="swizzle-64")) != desc
     assert key(descriptor(t, (4, 64), shape=(7, 64))) != desc
     assert key(descriptor(shifted.view(8, 64), (4, 64))) != desc
+
+
+def whole_paths(monkeypatch) -> list[str]:
+    """Records each call that took the whole path (and so built a plan) instead of running a kept plan."""
+    taken = []
+    for name in ("_forward_plan", "_backward_plan"):
+        whole_path = getattr(triton_flash, name)
+        monkeypatch.setattr(triton_flash, name, lambda *args, _path=whole_path, _name=name: taken.append(_name)
+                            or _path(*args))
+    return taken
+
+
+def test_later_calls_run_the_plan_on_their_own_tensors(monkeypatch):
+    taken = whole_paths(monkeypatch)
+    torch.manual_seed(0)
+    q, k, v = qkv(Hq=4, Hkv=2, Tq=37, Tk=45, D=32)
+    assert_matches_fp64(q, k, v, causal=True)
+    assert taken == ["_forward_plan", "_backward_plan"]
+    for _ in range(2):  # fresh values, and the same shapes at other addresses: the plans, right results
+        assert_matches_fp64(*qkv(Hq=4, Hkv=2, Tq=37, Tk=45, D=32), causal=True, scale=0.3)
+    assert taken == ["_forward_plan", "_backward_plan"]
+
+
+def test_a_call_that_launches_otherwise_gets_its_own_plan(monkeypatch):
+    taken = whole_paths(monkeypatch)
+    torch.manual_seed(0)
+    q, k, v = qkv(Tq=37, Tk=37, D=32)
+    assert_matches_fp64(q, k, v, causal=True)
+    assert_matches_fp64(q, k, v, causal=False)  # another mask
+    assert_matches_fp64(*(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)))  # other strides
+    assert_matches_fp64(*qkv(Tq=38, Tk=38, D=32))  # other sizes
+    assert_matches_fp64(*(t.half() for t in (q, k, v)))  # another dtype
+    assert taken == ["_forward_plan", "_backward_plan"] * 5
+    assert_matches_fp64(q, k, v, causal=True, window=(8, 0))  # sparse: the whole path every time, no plan
+    assert_matches_fp64(q, k, v, causal=True, window=(8, 0))
+    assert taken[10:] == ["_forward_plan", "_backward_plan"] * 2
+    assert len(triton_flash._plans) == 10
+
+
+def plan_key(*tensors, causal=True):
+    return triton_flash._plan_key("fwd", causal, *tensors)
+
+
+def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
+    buf = torch.randn(2 * 3 * 40 * 32 + 1)
+    q, k = buf[:-1].view(2, 3, 40, 32), torch.randn(2, 3, 40, 32)
+    base = plan_key(q, k, k)
+    assert plan_key(q.clone(), k.clone(), k.clone()) == base  # other values and addresses
+    assert plan_key(buf[1:].view(2, 3, 40, 32), k, k) != base  # 16-byte alignment
+    assert plan_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, k) != base  # strides
+    assert plan_key(q[:, :, :39], k, k) != base  # shape
+    assert plan_key(q.half(), k, k) != base
+    assert plan_key(q, k, k, causal=False) != base
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")  # the settings a test or a user may change
+    assert plan_key(q, k, k) != base
+    monkeypatch.undo()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert plan_key(q, k, k) != base
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_plans_write_the_packed_gradient_into_the_callers_tensor(monkeypatch):
+    # the packed op's backward writes dq, dk, dv into slices of one tensor it allocates per call: the plan must take
+    # them from the call, not keep the first call's
+    taken = whole_paths(monkeypatch)
+    torch.manual_seed(0)
+    for _ in range(2):
+        assert_qkvpacked_matches_fp64(torch.randn(1, 37, 3, 2, 32))
+    assert taken == ["_forward_plan", "_backward_plan"]

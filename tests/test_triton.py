@@ -335,8 +335,9 @@ def test_untuned_launch_takes_the_first_tile_that_fits():
         tried.append(tile)
         if tile == "big":
             raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
+        return f"{tile} launched"
 
-    assert triton_flash._first_that_fits(["big", "small", "smaller"], run) == "small"
+    assert triton_flash._first_that_fits(["big", "small", "smaller"], run) == ("small", "small launched")
     assert tried == ["big", "small"]
 
 

@@ -150,6 +150,21 @@ def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
+def test_launch_plans_keep_no_tensor_alive(monkeypatch):
+    # a plan's descriptors are templates: the first call's q, k, v, dO and the backward's buffers are freed with it
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    torch.manual_seed(0)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 4, 1024, 1024, 64, torch.bfloat16, device="cuda"))
+    grads = torch.autograd.grad(attention(q, k, v, True, backend="triton"), (q, k, v), torch.randn_like(q))
+    assert len(triton_flash._plans) == 2
+    del q, k, v, grads
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+
+
+@pytest.mark.gpu
 def test_deterministic_algorithms_give_bit_identical_gradients(monkeypatch):
     monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
     torch.manual_seed(0)
