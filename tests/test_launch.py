@@ -83,6 +83,20 @@ def test_a_call_that_launches_otherwise_gets_its_own_plan(monkeypatch):
     assert len(triton_flash._plans) == 10
 
 
+def test_calls_through_the_operators_run_plans(monkeypatch):
+    # torch.compile calls the kernels through torch.ops.nanoflash.*, whose mask arguments arrive flattened
+    from attention.triton_op import flash_attn_bwd, flash_attn_fwd
+
+    taken = whole_paths(monkeypatch)
+    torch.manual_seed(0)
+    for _ in range(2):
+        q, k, v = qkv(Tq=37, Tk=37, D=32)
+        o, lse = flash_attn_fwd(q, k, v, True, 0.2)
+        torch.testing.assert_close(o, triton_flash.forward(q, k, v, True, 0.2)[0])
+        flash_attn_bwd(torch.randn_like(q), q, k, v, o, lse, True, 0.2)
+    assert taken == ["_forward_plan", "_backward_plan"]
+
+
 def plan_key(*tensors, causal=True):
     return triton_flash._plan_key("fwd", causal, *tensors)
 
