@@ -744,17 +744,21 @@ def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
             unbounded if right < 0 else right, docs, docs.stride(0) if docs is not None else 0, mask.tile_bits)
 
 
-# Launch plans. A dense call's launches depend on its tensors only through their shapes, strides, dtypes, 16-byte
-# alignment and device, and on the settings in _plan_key: its plan key. The first call of a key takes the whole path
-# (the kernels' eligibility checks, the tuner, attention/launch.py's keys over every argument) and leaves a plan,
-# again(the call's tensors, scale): its launches with everything else worked out. Later calls of the key run the
-# plan. At GPT-2's shape the whole path cost more host time than the kernels' GPU time (docs/perf_notes.md,
-# "launch plans"). Block-sparse calls (§10) take the whole path every time: their masks are tensors of their own.
+# Launch plans. A call whose mask holds no tensors (dense attention) launches the same way as another of the same
+# shapes, strides, dtypes, 16-byte alignment and device, with the settings in _plan_key: its plan key. The first call
+# of a key takes the whole path (the kernels' eligibility checks, the tuner, attention/launch.py's keys over every
+# argument) and leaves a plan, again(the call's tensors, scale): its launches with everything else worked out. Later
+# calls of the key run the plan. At GPT-2's shape the whole path cost more host time than the kernels' GPU time
+# (docs/perf_notes.md, "launch plans").
 _plans: dict[tuple, Callable] = {}
 
 
-def _plan_key(kind: str, causal: bool, *tensors: torch.Tensor) -> tuple:
-    return (kind, causal, HOPPER_MODE, TMA_MODE, torch.are_deterministic_algorithms_enabled(), tensors[0].device,
+def _plan_key(kind: str, causal: bool, mask: MaskArgs, *tensors: torch.Tensor) -> tuple | None:
+    """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call."""
+    if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits)):
+        return None
+    return (kind, causal, mask.window, mask.block_size, HOPPER_MODE, TMA_MODE,
+            torch.are_deterministic_algorithms_enabled(), tensors[0].device,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
 
@@ -775,7 +779,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tupl
     B, Hq, Tq, D = q.shape
     o = empty_bthd(B, Hq, Tq, D, q)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    key = _plan_key("fwd", causal, q, k, v) if mask is DENSE else None
+    key = _plan_key("fwd", causal, mask, q, k, v)
     _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask), q, k, v, o, lse, scale)
     return o, lse
 
@@ -821,7 +825,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
-    key = _plan_key("bwd", causal, do, q, k, v, o, lse, dq, dk, dv) if mask is DENSE else None
+    key = _plan_key("bwd", causal, mask, do, q, k, v, o, lse, dq, dk, dv)
     _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask),
              do, q, k, v, o, lse, dq, dk, dv, scale)
     return dq, dk, dv

@@ -32,10 +32,7 @@ MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_
 def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
                window_right: int = -1, block_size: int = 16) -> triton_flash.MaskArgs:
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    mask = triton_flash.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
-    # a dense call gets DENSE itself: triton_flash's launch plans are for calls whose mask `is DENSE`
-    dense = all(t is None for t in (kv_blocks, q_blocks, document_ids, tile_bits, window))
-    return triton_flash.DENSE if dense and block_size == triton_flash.DENSE.block_size else mask
+    return triton_flash.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
 
 
 def _flat(mask: triton_flash.MaskArgs) -> tuple:

@@ -98,7 +98,7 @@ def test_calls_through_the_operators_run_plans(monkeypatch):
 
 
 def plan_key(*tensors, causal=True):
-    return triton_flash._plan_key("fwd", causal, *tensors)
+    return triton_flash._plan_key("fwd", causal, triton_flash.DENSE, *tensors)
 
 
 def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
@@ -111,6 +111,10 @@ def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
     assert plan_key(q[:, :, :39], k, k) != base  # shape
     assert plan_key(q.half(), k, k) != base
     assert plan_key(q, k, k, causal=False) != base
+    window = triton_flash.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
+    assert triton_flash._plan_key("fwd", True, window, q, k, k) not in (None, base)
+    blocks = triton_flash.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
+    assert triton_flash._plan_key("fwd", True, blocks, q, k, k) is None
     monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")  # the settings a test or a user may change
     assert plan_key(q, k, k) != base
     monkeypatch.undo()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 
+from test_launch import whole_paths
 from test_triton import ROOT, assert_matches_fp64, out_and_grads, qkv
 
 from attention import attention, triton_flash, triton_hopper, triton_hopper_backward
@@ -147,6 +148,17 @@ def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
     monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, head_dim, torch.bfloat16, device="cuda"), causal=True)
+
+
+@pytest.mark.gpu
+def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
+    # both Hopper kernels' plans (descriptor templates re-aimed at each call's tensors), on fresh values each call
+    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    taken = whole_paths(monkeypatch)
+    torch.manual_seed(0)
+    for _ in range(3):
+        assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, 64, torch.bfloat16, device="cuda"), causal=True)
+    assert taken == ["_forward_plan", "_backward_plan"]
 
 
 @pytest.mark.gpu
