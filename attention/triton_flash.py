@@ -121,8 +121,8 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
     are cut in tiles, attention/triton_moba.py). block: a size the tiles must divide (§10, §11).
     loads: the settings of the kernel's TMA switch to time with every tile, "tma" (descriptor loads)
     and "pointers", or only "pointers" where descriptors cannot read the tensors; None for a kernel
-    without the switch. hopper: (tiles, launch) of the warp-specialized forward (§12) where it can run
-    the call, timed beside jit_fn's tiles; launch(tile) runs it and returns its Launched.
+    without the switch. hopper: (tiles, launch, call) of the warp-specialized forward (§12) where it can run
+    the call, timed beside jit_fn's tiles; launch(tile) runs it and returns its Launched, whose again takes call.
 
     Not @triton.autotune: that rebuilds its key from every one of the ~45 arguments on each call,
     and with the rest of Triton's launch path it cost more host time than the kernels' GPU time at
@@ -141,6 +141,12 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         return launch(jit_fn, grid_of_tile(block_m, block_n), args(block_m) if callable(args) else args, **constants,
                       **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
+    def repeated(choice):
+        """run(choice), then -> a function that launches it again as a plan will (the tuner times that one)"""
+        tile, variant = choice
+        again_args = hopper[2] if variant == "hopper" else args(tile[0]) if callable(args) else args
+        return functools.partial(run(choice).again, *again_args)
+
     key = (kernel, tuple(constants.items()), loads, hopper is not None, dtype, triton.next_power_of_2(Tq),
            triton.next_power_of_2(Tk))
     choice = _best_tile.get(key)
@@ -154,7 +160,7 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
             choice, launched = _first_that_fits(candidates, run)  # launched: this call is done
             _best_tile[key] = choice
             return choice, launched
-        times = {choice: _time_ms(functools.partial(run, choice)) for choice in candidates}
+        times = _timed({choice: functools.partial(repeated, choice) for choice in candidates})
         choice = min(times, key=times.get)
         _best_tile[key] = choice
         launched = run(choice)
@@ -166,13 +172,33 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
     return choice, run(choice)
 
 
-def _time_ms(fn) -> float:
-    """The tuner's timing of one candidate: median of do_bench's runs; inf for one that does not fit (smem_bytes
-    is an estimate: a kernel that stages more than it, MoBA's gathers say, may not)."""
-    try:
-        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-    except OutOfResources:
-        return float("inf")
+# How the tuner times a candidate (docs/perf_notes.md, "the tuner under load" has the measurements):
+# - Its launch as a plan will repeat it, not the whole path that compiles it and checks the call: that path's host
+#   time is paid once per key, and at small shapes it outlasts the cache flush do_bench puts before each run, so it
+#   would be timed as well, ranking launch paths instead of kernels.
+# - At the clock it will run at. Under sustained load the H200 holds its power cap by lowering the SM clock, within
+#   tens of milliseconds, and lowers it more for kernels that draw more per clock. Timed in short turns, a kernel
+#   runs at the clock the one before it left (or, right after its compile, an idle GPU's full clock): the `tl`
+#   forward timed 9% faster than it ran under load, the Hopper one 5% slower, and the tuner took the wrong one. So
+#   all compile first, the first candidate heats the GPU for HEAT_MS, and each runs WARMUP_MS on its own before
+#   do_bench times it for REP_MS.
+HEAT_MS, WARMUP_MS, REP_MS = 100, 50, 25
+
+
+def _timed(first_runs: dict) -> dict:
+    """{choice: a function that runs it the first time (a compile) and returns one that runs it again} ->
+    {choice: ms}; inf for one that does not fit in shared memory (smem_bytes is an estimate: a kernel that stages
+    more than it, MoBA's gathers say, may not)."""
+    times, again = {}, {}
+    for choice, first_run in first_runs.items():
+        try:
+            again[choice] = first_run()
+        except OutOfResources:
+            times[choice] = float("inf")
+    for i, (choice, run) in enumerate(again.items()):
+        warmup = WARMUP_MS + (HEAT_MS if i == 0 else 0)
+        times[choice] = triton.testing.do_bench(run, warmup=warmup, rep=REP_MS, return_mode="median")
+    return times
 
 
 def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
@@ -800,7 +826,8 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs) -
         tiles = triton_hopper.TILES[D]
         if HOPPER_MODE == "1":
             return triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0]).again
-        hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile))
+        hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile),
+                  (q, k, v, o, lse, scale))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = _use_tma(q, k, v, o)
@@ -842,7 +869,8 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
                                   triton_hopper_backward.TILES[D],
-                                  (D, causal, q.dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)))
+                                  (D, causal, q.dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)),
+                                  (do, q, k, v, o, lse, dq, dk, dv, scale))
         if stages is not None:
             return hopper(stages).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
@@ -852,19 +880,20 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
 _best_backward: dict[tuple, int | None] = {}
 
 
-def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple) -> int | None:
+def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple, call: tuple) -> int | None:
     """The backward for key: None for the `tl` kernels (each with its own tuned tile, _launch), or the Hopper
     kernel's stage count; on the key's first call the candidates are timed (§9), each run writing the gradients,
-    which the caller's run then writes again."""
+    which the caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(stages) -> the Hopper
+    kernel's Launched; both plans take call."""
     if key not in _best_backward:
         if HOPPER_MODE == "1":
             _best_backward[key] = stages[0]
         elif os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0":
             _best_backward[key] = None
         else:
-            tl_backward()  # tunes the `tl` kernels' tiles first, so their time below is the tuned one
-            run = {None: tl_backward, **{s: functools.partial(hopper_backward, s) for s in stages}}
-            times = {choice: _time_ms(fn) for choice, fn in run.items()}
+            # timed as their plans (the `tl` kernels' first run tunes their tiles, so their time is the tuned one)
+            times = _timed({None: lambda: functools.partial(tl_backward(), *call),
+                            **{s: lambda s=s: functools.partial(hopper_backward(s).again, *call) for s in stages}})
             _best_backward[key] = min(times, key=times.get)
             if tuning_log is not None:
                 tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))

@@ -341,14 +341,32 @@ def test_untuned_launch_takes_the_first_tile_that_fits():
     assert tried == ["big", "small"]
 
 
-def test_tuner_times_a_candidate_that_does_not_fit_as_infinitely_slow(monkeypatch):
-    # the forward's tiles and the backward's choice between the `tl` and Hopper kernels share this timing
+def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own(monkeypatch):
+    # the forward's tiles and the backward's choice between the `tl` and Hopper kernels share this timing: each
+    # candidate's first run (a compile, the whole launch path) returns its repeat, the launch a plan makes, which is
+    # what do_bench times, after all have compiled, each after running alone for WARMUP_MS (the GPU's clock settles
+    # to the kernel's draw), the first for HEAT_MS more (from an idle GPU's clock). A candidate that does not fit in
+    # shared memory is infinitely slow and never timed.
     def too_big():
         raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
 
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn() or 0.25)
-    assert triton_flash._time_ms(lambda: None) == 0.25
-    assert triton_flash._time_ms(too_big) == float("inf")
+    events = []
+
+    def candidate(name):
+        def first_run():
+            events.append(("compile", name))
+            return lambda: name
+        return first_run
+
+    def do_bench(repeat, warmup, rep, return_mode):
+        events.append((repeat(), warmup, rep))
+        return {"a": 2.0, "b": 5.0}[repeat()]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    times = triton_flash._timed({"a": candidate("a"), "big": too_big, "b": candidate("b")})
+    assert times == {"big": float("inf"), "a": 2.0, "b": 5.0}
+    warmup, rep = triton_flash.WARMUP_MS, triton_flash.REP_MS
+    assert events == [("compile", "a"), ("compile", "b"), ("a", warmup + triton_flash.HEAT_MS, rep), ("b", warmup, rep)]
 
 
 @pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
