@@ -2,12 +2,12 @@
 
 The math is triton_flash.py's forward (§2 online softmax, §4 log-sum-exp, §6 causal alignment, §8 exp2
 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
-multiplies and runs the softmax in turn. Here a program takes work items, 128 query rows of one (batch, head)
-each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
+multiplies and runs the softmax in turn. Here a program takes work items, 128 or 192 query rows of one (batch,
+head) each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
 
   _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into a ring of STAGES shared-memory
-                      slots, each slot refilled as soon as both consumers are done with it;
-  _softmax_rows       two consumer warpgroups of 64 rows each: the online softmax over the key tiles,
+                      slots, each slot refilled as soon as every consumer is done with it;
+  _softmax_rows       two or three consumer warpgroups of 64 rows each: the online softmax over the key tiles,
                       S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
                       warpgroup's softmax runs while the tensor cores multiply (§12 says whose products).
 
@@ -21,11 +21,11 @@ interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI buil
 
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land):
   kv_ready[s]  the copy engine arrives when K_j and V_j (2 tiles of bytes, announced with expect) are in;
-  kv_empty[s]  count 2: each consumer warpgroup arrives when it has finished reading K_j and V_j.
-  q_ready, q_empty  the same for the item's Q (one buffer, refilled once both consumers are past their last S,
-               or at hs=128, where they hold Q in registers, once both have loaded it).
+  kv_empty[s]  count CONSUMERS: each consumer warpgroup arrives when it has finished reading K_j and V_j.
+  q_ready, q_empty  the same for the item's Q (one buffer, refilled once all consumers are past their last S,
+               or at hs=128, where they hold Q in registers, once all have loaded it).
 The j-th key tile a program loads (counted over its items) lives in slot j % STAGES, in that slot's phase
-(j // STAGES) & 1. No barrier spans the whole program, so neither warpgroup waits for the other.
+(j // STAGES) & 1. No barrier spans the whole program, so no warpgroup waits for another.
 """
 import functools
 import os
@@ -48,18 +48,20 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# (BLOCK_N, STAGES, PERSISTENT) per head dim: K and V tiles of BLOCK_N rows in a ring of STAGES slots; a program
-# per 128-row query tile, or with PERSISTENT one per SM walking its share of them in pairs (`_work_item`). The ones
-# that won a cell in benchmarks/results/2026-11-22-h200-causal-pairs/ (pairs.jsonl); 12 warps: two consumer
-# warpgroups and the producer's.
-TILES = {64: [(128, 3, True), (128, 3, False), (128, 2, True)],
-         128: [(128, 3, True), (64, 3, True)]}
-# (constexpr: the kernels read them)
-ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall
-BLOCK_M = tl.constexpr(2 * 64)  # query rows per program
-# registers per thread: 168 for the launch (12 warps fill the register file), then setmaxnreg moves them
-# from the producer, which needs few, to the consumers, which hold S, P and O (no spills at these tiles)
-LAUNCH_REGS, CONSUMER_REGS, PRODUCER_REGS = 168, tl.constexpr(240), tl.constexpr(24)
+# (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) per head dim: K and V tiles of BLOCK_N rows in a ring of STAGES slots;
+# CONSUMERS warpgroups of 64 query rows each, so work items (query tiles) of 64 * CONSUMERS rows; a program per item,
+# or with PERSISTENT one per SM walking its share of them in pairs (`_work_item`). The ones that won a cell in
+# benchmarks/results/2026-11-22-h200-causal-pairs/ (pairs.jsonl) and, with three consumers (FlashAttention-3's
+# tile at head dim 64), in benchmarks/results/2026-11-22-h200-three-consumers/ (T >= 4k; at T=1k a 192-row tile
+# leaves a third of the last one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128.
+TILES = {64: [(128, 3, True, 2), (128, 3, False, 2), (128, 2, True, 2), (128, 3, True, 3), (128, 3, False, 3)],
+         128: [(128, 3, True, 2), (64, 3, True, 2)]}
+ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall (constexpr: kernels read it)
+# registers per thread, by consumer count: for the launch (the warps, the producer's one padded to four, fill the
+# register file), then per consumer after setmaxnreg moves them from the producer, which needs few (PRODUCER_REGS),
+# to the consumers, which hold S, P and O
+REGS = {2: (168, 240), 3: (128, 160)}
+PRODUCER_REGS = tl.constexpr(24)
 
 
 if gluon is not None:
@@ -76,7 +78,7 @@ if gluon is not None:
         return per_turn * mine - gl.where(last_is_short, per_turn - n_work % per_turn, 0)
 
     @gluon.jit
-    def _work_item(t, per_turn, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr):
+    def _work_item(t, per_turn, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
         """This program's t-th work item -> (batch*head, first query row, key tiles to visit). The query tiles of
         one (batch, head) are consecutive items, so the programs running at the same time share their K and V in L2.
         Under the causal mask a tile's work grows with its position (§12 "A persistent grid"): a program per item
@@ -94,26 +96,28 @@ if gluon is not None:
     @gluon.jit
     def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H, GROUP,
                     n_m_tiles, n_work, per_turn, Tk, diag):
-        """The producer warp: for each of the program's work items, Q (once both consumers are done with the
+        """The producer warp: for each of the program's work items, Q (once every consumer is done with the
         previous item's), then K_j, V_j into the ring. Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D)
         block: rows past T arrive as zeros, whatever the strides (§9), so a ragged last tile needs no special load."""
         # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        CONSUMERS: gl.constexpr = q_smem.shape[0]  # a Q buffer of 64 rows per consumer
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         loaded = 0  # key tiles loaded so far, over all items: tile number `loaded` goes to slot loaded % STAGES
         for item in range(_items(n_work, per_turn)):
-            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N)
+            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
             b, h = bh // H, bh % H
             # a fresh mbarrier counts as having completed the phase before phase 0: the first waits pass at once
             mbarrier.wait(q_empty, (item & 1) ^ 1)
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            for half in gl.static_range(2):
-                _tma_load(q_desc, [b, h, start_m + half * ROWS, 0], q_ready,
-                          q_smem.index(half).reshape([1, 1, ROWS, HEAD_DIM]))
+            mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+            for wg in gl.static_range(CONSUMERS):
+                _tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready,
+                          q_smem.index(wg).reshape([1, 1, ROWS, HEAD_DIM]))
             for j in range(n_tiles):
                 slot = (loaded + j) % STAGES
-                # wait until both consumers released the slot's previous tile
+                # wait until every consumer released the slot's previous tile
                 mbarrier.wait(kv_empty.index(slot), (((loaded + j) // STAGES) & 1) ^ 1)
                 ready = kv_ready.index(slot)
                 mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
@@ -141,6 +145,7 @@ if gluon is not None:
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        BLOCK_M: gl.constexpr = q_smem.shape[0] * ROWS
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -155,7 +160,7 @@ if gluon is not None:
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
         for item in range(_items(n_work, per_turn)):
-            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N)
+            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
             first_row = start_m + WG * ROWS
             # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
             # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked
@@ -232,7 +237,7 @@ if gluon is not None:
             gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
 
     # one function per consumer warpgroup: warp_specialize cannot pass a partition a constexpr (WG), so each
-    # partition fixes its own
+    # partition fixes its own (the third runs only with three consumers)
     @gluon.jit
     def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
                         stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
@@ -246,17 +251,24 @@ if gluon is not None:
                       stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
+    def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+        _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
+                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+
+    @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag, scale,
-                     n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """Sets up the shared memory and barriers, then splits into the producer and the two consumers, which
-        walk the same work items: n_work = 128-row query tiles x batch*head, a program taking per_turn
+                     n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr):
+        """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
+        walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
         consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward())."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        n_m_tiles = gl.cdiv(Tq, BLOCK_M)
+        n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_desc.dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_desc.dtype)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, ROWS, HEAD_DIM], q_layout)  # a half per consumer
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)  # 64 rows each
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -264,20 +276,24 @@ if gluon is not None:
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(q_empty, count=CONSUMERS)  # one arrival per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)
+            mbarrier.init(kv_empty.index(i), count=CONSUMERS)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
                          stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, scale * 1.4426950408889634)
-        gl.warp_specialize([
-            (_softmax_rows_0, consumer_args),  # the default partition: the launch's 4 warps
-            (_softmax_rows_1, consumer_args),
-            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
-                           GROUP, n_m_tiles, n_work, per_turn, Tk, diag)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
+                         GROUP, n_m_tiles, n_work, per_turn, Tk, diag)
+        # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
+        if CONSUMERS == 3:
+            gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
+                                (_softmax_rows_2, consumer_args), (_load_tiles, producer_args)],
+                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
+                                (_load_tiles, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 @functools.cache
@@ -333,17 +349,18 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
     return copy
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool]) -> Launched:
+def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
     """Write O into o (B, Hq, Tq, D), any strides with a unit last one, and lse (B, Hq, Tq) float32, natural
-    log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT) from
-    TILES. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale), the
+    log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT,
+    CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale), the
     same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    block_n, stages, persistent = tile
+    block_n, stages, persistent, consumers = tile
+    launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
-    n_work = triton.cdiv(Tq, BLOCK_M.value) * B * Hq
-    # persistent: one program per SM (one fits: 12 warps at 168 registers fill the register file); its producer
+    n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
+    # persistent: one program per SM (one fits: its warps fill the register file); its producer
     # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting.
     # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
     per_turn = 2 if persistent else 1
@@ -351,7 +368,8 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     first = launch(_attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
-                   BLOCK_N=block_n, STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+                   BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4,
+                   maxnreg=launch_regs)
     q_desc, k_desc, v_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
 
     def again(q, k, v, o, lse, scale):

@@ -44,8 +44,11 @@ import triton.language as tl
 from . import triton_hopper
 from .launch import Launched, launch
 from .triton_hopper import gluon  # None before Triton 3.6
-# the forward's split of the registers: 12 warps at 168 for the launch, then 240 per consumer, 24 for the producer
-from .triton_hopper import CONSUMER_REGS, LAUNCH_REGS, PRODUCER_REGS, rebased
+from .triton_hopper import PRODUCER_REGS, REGS, rebased
+
+# the forward's split of the registers with two consumers: 12 warps at 168 for the launch, then 240 per consumer,
+# 24 for the producer
+LAUNCH_REGS, CONSUMER_REGS = REGS[2][0], tl.constexpr(REGS[2][1])
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl

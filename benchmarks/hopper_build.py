@@ -6,7 +6,7 @@ For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py 
 change in a new Triton, or a change that makes a kernel spill, fails there.
 
     python -m benchmarks.hopper_build                               # every tile of both head dims
-    python -m benchmarks.hopper_build --head_dim 64 --tile 128,3 --sass out.sass
+    python -m benchmarks.hopper_build --head_dim 64 --tile 128,3,2 --sass out.sass
     python -m benchmarks.hopper_build --backward                    # the backward, every STAGES
 
 The causal mask and the grid (persistent or not) are arguments of the launch, not of the build.
@@ -49,15 +49,16 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
-def build(head_dim: int, tile: tuple[int, int]):
-    """The forward for bf16 inputs; tile: (BLOCK_N, STAGES)."""
-    block_n, stages = tile
+def build(head_dim: int, tile: tuple[int, int, int]):
+    """The forward for bf16 inputs; tile: (BLOCK_N, STAGES, CONSUMERS)."""
+    block_n, stages, consumers = tile
+    launch_regs, consumer_regs = triton_hopper.REGS[consumers]
     signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
                      k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim), O="*bf16",
                      LSE="*fp32", stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32",
                      Tk="i32", diag="i32", scale="fp32", n_work="i32", per_turn="i32")
-    return _compile(triton_hopper._attn_fwd_ws, signature, dict(BLOCK_N=block_n, STAGES=stages),
-                    triton_hopper.LAUNCH_REGS)
+    return _compile(triton_hopper._attn_fwd_ws, signature,
+                    dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs), launch_regs)
 
 
 def build_backward(head_dim: int, stages: int):
@@ -95,11 +96,18 @@ def report(kernel) -> tuple[dict, str]:
                 shared_bytes=kernel.metadata.shared), sass
 
 
+def forward_build(tile: tuple[int, int, bool, int]) -> tuple[int, int, int]:
+    """A forward tile of triton_hopper.TILES -> what its build depends on, (BLOCK_N, STAGES, CONSUMERS)."""
+    block_n, stages, _, consumers = tile
+    return block_n, stages, consumers
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backward", action="store_true", help="the backward (§13) instead of the forward")
     p.add_argument("--head_dim", type=int, choices=[64, 128], default=None, help="default: every one with tiles")
-    p.add_argument("--tile", default=None, help="forward: BLOCK_N,STAGES; backward: STAGES (default: every one)")
+    p.add_argument("--tile", default=None,
+                   help="forward: BLOCK_N,STAGES,CONSUMERS; backward: STAGES (default: every one)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
@@ -108,9 +116,9 @@ def main(argv=None):
     for head_dim in [args.head_dim] if args.head_dim else sorted(table):
         if args.backward:
             tiles = [int(args.tile)] if args.tile else table[head_dim]
-        else:  # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES)
+        else:  # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES, CONSUMERS)
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
-                     else sorted({tile[:2] for tile in table[head_dim]}))
+                     else sorted({forward_build(tile) for tile in table[head_dim]}))
         for tile in tiles:
             figures, sass = report(build_backward(head_dim, tile) if args.backward else build(head_dim, tile))
             print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",

@@ -52,15 +52,18 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == len({tile[:2] for tile in triton_hopper.TILES[head_dim]}), builds  # a (BLOCK_N, STAGES) each
+    # a build per (BLOCK_N, STAGES, CONSUMERS): the grid (persistent or not) is the launch's
+    assert len(builds) == len({(n, stages, wgs) for n, stages, _, wgs in triton_hopper.TILES[head_dim]}), builds
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
-        # The tiles were chosen on the GPU box's Triton 3.6, which builds every one without spills. Triton 3.9's
-        # register allocation parks values on the stack (9 stores at hs=64, BLOCK_N=128; 102 at hs=128, BLOCK_N=128):
-        # where that costs time, the tuner, which times the tiles as built, takes another. Under other versions the
-        # bound only catches a change that spills far more than that.
+        # The tiles were chosen on the GPU box's Triton 3.6, which builds the two-consumer ones without spills, and
+        # parks one value (8 bytes, 2 stores) in the three-consumer ones' epilogue, where each consumer has 160
+        # registers. Triton 3.9's register allocation parks more (9 stores at hs=64, BLOCK_N=128; 102 at hs=128,
+        # BLOCK_N=128): where that costs time, the tuner, which times the tiles as built, takes another. Under other
+        # versions the bound only catches a change that spills far more than that.
         if triton.__version__.startswith("3.6."):
-            assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
+            three = built["tile"][2] == 3
+            assert built["spill_stores"] <= (2 if three else 0) and built["stack_bytes"] <= (8 if three else 0), built
         else:
             assert built["spill_stores"] <= 128 and built["stack_bytes"] <= 256, built
 
@@ -114,8 +117,8 @@ def exact_lse(q, k, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
     # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl`
-    # kernel's. 4 x 8 heads x 8 query tiles = 256 work items: a persistent program walks a pair (an H100 or H200 has
-    # 132 SMs), so the barrier phases carry over from one item to the next.
+    # kernel's. 4 x 8 heads x 8 query tiles of 128 rows (6 of 192) = 256 (192) work items: a persistent program
+    # walks a pair (an H100 or H200 has 132 SMs), so the barrier phases carry over from one item to the next.
     torch.manual_seed(0)
     q, k, v = qkv(4, 8, 2, 1000, 1000, D, torch.bfloat16, device="cuda")
     o, lse = triton_flash.empty_bthd(4, 8, 1000, D, q), torch.empty(4, 8, 1000, device="cuda")
