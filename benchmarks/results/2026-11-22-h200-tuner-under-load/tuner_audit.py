@@ -5,7 +5,9 @@ forced, in rounds in rotating order, beside cuDNN (do_bench, 100 ms each, median
 choices come from head_choices.py, run before in a process of its own. bf16. One JSON line per (cell, pass,
 candidate).
 
-    PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-tuner-under-load/tuner_audit.py OUT_DIR HEAD_CHOICES.json
+    PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-tuner-under-load/tuner_audit.py OUT_DIR HEAD_CHOICES.json [HEAD_DIM]
+
+With HEAD_DIM, only that head dim's cells.
 """
 import datetime
 import json
@@ -23,6 +25,7 @@ sys.path.insert(0, "benchmarks/results/2026-11-22-h200-tuner-under-load")
 from tuner_cells import CELLS  # noqa: E402
 
 out_dir, head_choices = sys.argv[1], json.load(open(sys.argv[2]))
+CELLS = [cell for cell in CELLS if len(sys.argv) < 4 or cell[3] == int(sys.argv[3])]
 ROUNDS = 3
 meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
