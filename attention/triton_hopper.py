@@ -352,8 +352,8 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
     """Write O into o (B, Hq, Tq, D), any strides with a unit last one, and lse (B, Hq, Tq) float32, natural
     log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT,
-    CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale), the
-    same launch for tensors shaped, strided and aligned like these."""
+    CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
+    lse, scale), the same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     block_n, stages, persistent, consumers = tile
