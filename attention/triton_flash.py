@@ -880,6 +880,24 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
 _best_backward: dict[tuple, int | None] = {}
 
 
+def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> dict:
+    """What the tuner (§9) has chosen so far for dense calls of these sizes, by kernel: "fwd", "dq", "dkdv" ->
+    (tile, variant), variant "hopper" being §12's kernel with a (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) tile;
+    "bwd" -> None where the `tl` pair (dq, dkdv) runs, or the STAGES of §13's kernel. Kernels not tuned yet are left
+    out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py records it per cell."""
+    buckets = [triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)]
+    dense = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPARSE=False, WINDOW=False, DOCS=False, BITS=False)
+    found = {}
+    for (kernel, constants, _loads, _hopper, key_dtype, *key_buckets), choice in _best_tile.items():
+        if key_dtype == dtype and key_buckets == buckets and all(dict(constants).get(name) == value
+                                                                 for name, value in dense.items()):
+            found[kernel] = choice
+    backward_key = (head_dim, causal, dtype, *buckets)
+    if backward_key in _best_backward:
+        found["bwd"] = _best_backward[backward_key]
+    return found
+
+
 def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple, call: tuple) -> int | None:
     """The backward for key: None for the `tl` kernels (each with its own tuned tile, _launch), or the Hopper
     kernel's stage count; on the key's first call the candidates are timed (§9), each run writing the gradients,

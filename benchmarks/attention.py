@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
 import triton.testing
 from tqdm import tqdm
 
-from attention import attention
+from attention import attention, triton_flash
 from benchmarks.attention_report import write_report
 from benchmarks.report import environment, parse_bool, slug, write_json
 
@@ -325,7 +325,11 @@ def run(args) -> Path:
                     cells = {p: {"ms": None, "tflops": None, "peak_mem_gib": None, "status": skip} for p in todo}
                 else:
                     cells = measure(factories[name], shape, todo, dtype, device, args.rep_ms)
-                rows += [{"backend": name, **asdict(shape), "pass": p, **cell} for p, cell in cells.items()]
+                # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
+                tuner = {kernel: str(choice) for kernel, choice in triton_flash.tuned_choices(
+                    shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if name == "triton" and not skip else {}
+                rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": tuner} if tuner else {})}
+                         for p, cell in cells.items()]
             bar.update()
         write_json(results_path, results)  # after every shape: a run cut off keeps what it measured
     bar.close()

@@ -68,6 +68,16 @@ class Results:
             rows.append(row)
         return markdown_table([*SHAPE_KEYS, *(f"vs {b}" for b in others)], rows)
 
+    def tuner_table(self) -> str | None:
+        """Our kernels' tuner choices per shape (benchmarks/attention.py records them), or None if none were."""
+        choices = {shape_of(r): r["tuner"] for r in self.rows if r["backend"] == OURS and r.get("tuner")}
+        if not choices:
+            return None
+        kernels = unique(kernel for chosen in choices.values() for kernel in chosen)
+        rows = [[*map(str, shape)] + [f"`{chosen[k]}`" if k in chosen else "-" for k in kernels]
+                for shape, chosen in choices.items()]
+        return markdown_table([*SHAPE_KEYS, *kernels], rows)
+
     def failures(self) -> list[str]:
         """One line per backend and reason, naming the shapes (and passes, unless all) it covers."""
         cells: dict[tuple[str, str], dict[str, list[str]]] = {}
@@ -117,6 +127,12 @@ def markdown(res: Results) -> str:
             out += [f"## {title}: {OURS} speed-up (backend's time / {OURS}'s time)\n", res.speedup_table(pass_)]
     if "fwd+bwd" in res.passes and res.env["device"] == "cuda":
         out += ["## Peak memory of forward + backward, GiB beyond the inputs\n", res.value_table("fwd+bwd", "peak_mem_gib")]
+    tuner = res.tuner_table()
+    if tuner:
+        out += [f"## {OURS}: the tuner's choices\n", tuner,
+                "fwd, dq, dkdv: (tile, variant), variant hopper = the warp-specialized forward (§12) with a (BLOCK_N, "
+                "STAGES, PERSISTENT, CONSUMERS) tile; bwd: None = the dq and dkdv kernels ran, a number = the Hopper "
+                "backward (§13) with that many stages\n"]
     failures = res.failures()
     if failures:
         out += ["## Cells not measured\n", *failures, ""]

@@ -144,6 +144,11 @@ def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path
                                         "Forward: triton speed-up (backend's time / triton's time)")
     fwd_ms = {r["backend"]: r["ms"] for r in results["rows"] if r["pass"] == "fwd"}
     assert header[5:] == ["vs sdpa"] and speedups[0][5:] == [fmt(fwd_ms["sdpa"] / fwd_ms["triton"])]
+    # which of our kernels ran: the tuner's choice per kernel, recorded with each triton cell and reported
+    assert all(set(r["tuner"]) == {"fwd", "dq", "dkdv"} for r in results["rows"] if r["backend"] == "triton")
+    assert not any("tuner" in r for r in results["rows"] if r["backend"] == "sdpa")
+    header, choices = markdown_section((tmp_path / "results.md").read_text(), "triton: the tuner's choices")
+    assert header[5:] == ["fwd", "dq", "dkdv"] and len(choices) == 1
 
 
 def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):

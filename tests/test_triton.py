@@ -327,6 +327,21 @@ def test_hopper_tile_pruning(kernel, dtype, head_dim, monkeypatch):
         assert triton_flash.smem_bytes(kernel, tile, block_d, dtype.itemsize) <= triton_flash.SMEM_BUDGET
 
 
+def test_tuned_choices_name_the_kernels_a_call_of_those_sizes_ran():
+    # benchmarks/attention.py records them per cell; a key of other sizes, mask or dtype is not reported
+    q, k, v = (torch.randn(1, 2, 40, 24, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == {}
+    attention(q, k, v, causal=True, backend="triton").sum().backward()
+    choices = triton_flash.tuned_choices(24, True, torch.float16, 40, 40)
+    assert set(choices) == {"fwd", "dq", "dkdv"}  # no "bwd": the Hopper backward is not a candidate here
+    assert choices["fwd"][0] == triton_flash.INTERPRETER_TILES["fwd"]
+    assert triton_flash.tuned_choices(24, True, torch.float16, 33, 33) == choices  # the same power-of-two bucket
+    assert triton_flash.tuned_choices(24, False, torch.float16, 40, 40) == {}
+    assert triton_flash.tuned_choices(24, True, torch.float32, 40, 40) == {}
+    attention(q, k, v, causal=True, window=(16, 0), backend="triton").sum().backward()  # a window: another key
+    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == choices
+
+
 def test_untuned_launch_takes_the_first_tile_that_fits():
     # NANOFLASH_AUTOTUNE=0: no timing, but a tile the compiler rejects for shared memory is passed over
     tried = []
