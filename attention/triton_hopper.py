@@ -53,7 +53,7 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
 # or with PERSISTENT one per SM walking its share of them in pairs (`_work_item`). The ones that won a cell in
 # benchmarks/results/2026-11-22-h200-causal-pairs/ (pairs.jsonl) and, with three consumers (FlashAttention-3's
 # tile at head dim 64), in benchmarks/results/2026-11-22-h200-three-consumers/ (T >= 4k; at T=1k a 192-row tile
-# leaves a third of the last one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128.
+# leaves two thirds of the last one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128.
 TILES = {64: [(128, 3, True, 2), (128, 3, False, 2), (128, 2, True, 2), (128, 3, True, 3), (128, 3, False, 3)],
          128: [(128, 3, True, 2), (64, 3, True, 2)]}
 ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall (constexpr: kernels read it)
