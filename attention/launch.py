@@ -30,7 +30,6 @@ _PLAIN = (int, str, type(None))  # arguments that are their own key (not bool: T
 MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again
 
 
-
 class Launched(NamedTuple):
     """What a launch leaves behind: the compiled kernel (its registers, spills, PTX; under the interpreter whatever
     kernel[grid] returned) and again(*args), the same launch on new arguments that specialise as the first ones did."""

@@ -105,9 +105,25 @@ def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int 
     return kept
 
 
-# tuning key -> fastest tile. The key holds the sequence lengths as power-of-two buckets, so a new
-# T reuses the choice of its bucket instead of timing the candidates again.
-_best_tile: dict[tuple, tuple] = {}
+class _TuningKey(NamedTuple):
+    """A kernel's tuning key (_launch). The sequence lengths are power-of-two buckets, so a new T reuses the choice
+    of its bucket instead of timing the candidates again."""
+    kernel: str
+    constants: tuple  # the constexprs' (name, value) pairs
+    loads: tuple | None
+    hopper: bool  # whether §12's kernel was a candidate
+    dtype: torch.dtype
+    Tq_bucket: int
+    Tk_bucket: int
+
+
+def _backward_key(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> tuple:
+    """The key of the backward's choice on Hopper (_backward_choice)."""
+    return head_dim, causal, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)
+
+
+# tuning key -> fastest tile
+_best_tile: dict[_TuningKey, tuple] = {}
 # a list to append each tuning's timings to (benchmarks/tune_kernels.py reads it), or None
 tuning_log: list | None = None
 
@@ -132,23 +148,25 @@ def _launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, T
         # per thread (a context variable), and autograd runs the backward on a thread of its own
         triton.set_allocator(_scratch_allocator)
 
+    def args_of(block_m):
+        return args(block_m) if callable(args) else args
+
     def run(choice):
         tile, variant = choice
         if variant == "hopper":
             return hopper[1](tile)
         block_m, block_n, warps, stages = tile
         switch = {} if variant is None else {"TMA": variant == "tma"}
-        return launch(jit_fn, grid_of_tile(block_m, block_n), args(block_m) if callable(args) else args, **constants,
-                      **switch, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return launch(jit_fn, grid_of_tile(block_m, block_n), args_of(block_m), **constants, **switch,
+                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
     def repeated(choice):
         """run(choice), then -> a function that launches it again as a plan will (the tuner times that one)"""
         tile, variant = choice
-        again_args = hopper[2] if variant == "hopper" else args(tile[0]) if callable(args) else args
-        return functools.partial(run(choice).again, *again_args)
+        return functools.partial(run(choice).again, *(hopper[2] if variant == "hopper" else args_of(tile[0])))
 
-    key = (kernel, tuple(constants.items()), loads, hopper is not None, dtype, triton.next_power_of_2(Tq),
-           triton.next_power_of_2(Tk))
+    key = _TuningKey(kernel, tuple(constants.items()), loads, hopper is not None, dtype,
+                     triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     choice = _best_tile.get(key)
     if choice is None:
         # in the caller's order of loads (descriptors first: with tuning off they are the ones taken, where the
@@ -869,8 +887,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
                                   triton_hopper_backward.TILES[D],
-                                  (D, causal, q.dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)),
-                                  (do, q, k, v, o, lse, dq, dk, dv, scale))
+                                  _backward_key(D, causal, q.dtype, Tq, Tk), (do, q, k, v, o, lse, dq, dk, dv, scale))
         if stages is not None:
             return hopper(stages).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
@@ -885,14 +902,15 @@ def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: 
     (tile, variant), variant "hopper" being §12's kernel with a (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) tile;
     "bwd" -> None where the `tl` pair (dq, dkdv) runs, or the STAGES of §13's kernel. Kernels not tuned yet are left
     out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py records it per cell."""
-    buckets = [triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)]
+    buckets = (triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     dense = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPARSE=False, WINDOW=False, DOCS=False, BITS=False)
     found = {}
-    for (kernel, constants, _loads, _hopper, key_dtype, *key_buckets), choice in _best_tile.items():
-        if key_dtype == dtype and key_buckets == buckets and all(dict(constants).get(name) == value
-                                                                 for name, value in dense.items()):
-            found[kernel] = choice
-    backward_key = (head_dim, causal, dtype, *buckets)
+    for key, choice in _best_tile.items():
+        constants = dict(key.constants)
+        if ((key.dtype, key.Tq_bucket, key.Tk_bucket) == (dtype, *buckets)
+                and all(constants.get(name) == value for name, value in dense.items())):
+            found[key.kernel] = choice
+    backward_key = _backward_key(head_dim, causal, dtype, Tq, Tk)
     if backward_key in _best_backward:
         found["bwd"] = _best_backward[backward_key]
     return found

@@ -378,7 +378,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
     n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
     Tq_pad = n_m_tiles * BLOCK_M.value
     rows_grid = (n_m_tiles, B * Hq)
-
     device = q.device  # (again must not keep q alive)
 
     def buffers():
