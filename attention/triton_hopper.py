@@ -22,8 +22,9 @@ interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI buil
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land):
   kv_ready[s]  the copy engine arrives when K_j and V_j (2 tiles of bytes, announced with expect) are in;
   kv_empty[s]  count CONSUMERS: each consumer warpgroup arrives when it has finished reading K_j and V_j.
-  q_ready, q_empty  the same for the item's Q (one buffer, refilled once all consumers are past their last S,
-               or at hs=128, where they hold Q in registers, once all have loaded it).
+  q_ready[b], q_empty[b]  the same for Q buffer b, which holds items b, b + Q_BUFFERS, ...: at hs=64 two buffers,
+               each refilled once all consumers are past their last S of its item; at hs=128, where they hold Q
+               in registers, one, refilled once all have loaded it.
 The j-th key tile a program loads (counted over its items) lives in slot j % STAGES, in that slot's phase
 (j // STAGES) & 1. No barrier spans the whole program, so no warpgroup waits for another.
 """
@@ -103,18 +104,21 @@ if gluon is not None:
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
-        CONSUMERS: gl.constexpr = q_smem.shape[0]  # a Q buffer of 64 rows per consumer
+        Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+        CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS  # a Q buffer holds 64 rows per consumer
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         loaded = 0  # key tiles loaded so far, over all items: tile number `loaded` goes to slot loaded % STAGES
         for item in range(_items(n_work, per_turn)):
             bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
             b, h = bh // H, bh % H
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first waits pass at once
-            mbarrier.wait(q_empty, (item & 1) ^ 1)
-            mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+            # the item's Q buffer, once every consumer is done with the item it held before; a fresh mbarrier counts
+            # as having completed the phase before phase 0: the first waits pass at once
+            buffer = item % Q_BUFFERS
+            mbarrier.wait(q_empty.index(buffer), ((item // Q_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(buffer), CONSUMERS * q_desc.block_type.nbytes)
             for wg in gl.static_range(CONSUMERS):
-                _tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready,
-                          q_smem.index(wg).reshape([1, 1, ROWS, HEAD_DIM]))
+                _tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
+                          q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
             for j in range(n_tiles):
                 slot = (loaded + j) % STAGES
                 # wait until every consumer released the slot's previous tile
@@ -145,7 +149,9 @@ if gluon is not None:
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
-        BLOCK_M: gl.constexpr = q_smem.shape[0] * ROWS
+        Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+        CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
+        BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -163,18 +169,22 @@ if gluon is not None:
             bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
             first_row = start_m + WG * ROWS
             # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
-            # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked
-            n_mine = gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
+            # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
+            # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: at T=1k with three
+            # consumers, two of them) store nothing: they take one tile and release the others unread.
+            n_mine = gl.where(first_row < Tq,
+                              gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1), 1)
             mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
-            mbarrier.wait(q_ready, item & 1)
+            buffer = item % Q_BUFFERS
+            mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
             if Q_IN_REGISTERS:
-                q = q_smem.index(WG).load(q_operand)  # (ROWS, D)
+                q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
                 # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
                 # fence the next item's Q may land before they are done (§12; wrong rows in 6-42% of launches)
                 fence_async_shared()
-                mbarrier.arrive(q_empty, count=1)  # Q read: the next item's may load
+                mbarrier.arrive(q_empty.index(buffer), count=1)  # Q read: the next item's may load
             else:
-                q = q_smem.index(WG)
+                q = q_smem.index(buffer * CONSUMERS + WG)
 
             # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}
             slot = seen_tiles % STAGES
@@ -213,12 +223,12 @@ if gluon is not None:
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             if not Q_IN_REGISTERS:
-                mbarrier.arrive(q_empty, count=1)  # Q's last use was S of the last tile: the next item's may load
+                mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
             o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
                                     is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(kv_empty.index(slot), count=1)
-            for j in range(n_mine, n_tiles):  # tiles only the other warpgroup's rows see: release them unread
+            for j in range(n_mine, n_tiles):  # tiles only the other warpgroups' rows see: release them unread
                 mbarrier.wait(kv_ready.index((seen_tiles + j) % STAGES), ((seen_tiles + j) // STAGES) & 1)
                 mbarrier.arrive(kv_empty.index((seen_tiles + j) % STAGES), count=1)
             seen_tiles += n_tiles
@@ -268,15 +278,20 @@ if gluon is not None:
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_desc.dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_desc.dtype)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)  # 64 rows each
+        # At hs=128 the consumers hold Q in registers and release its buffer as an item starts: one buffer lets the
+        # next item's Q load early. At hs=64 they read it from shared memory until their last S: with a second
+        # buffer the next item's Q loads while they finish this one (the last softmax, P V, the stores).
+        Q_BUFFERS: gl.constexpr = 1 if HEAD_DIM == 128 else 2
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=CONSUMERS)  # one arrival per consumer warpgroup
+        for i in gl.static_range(Q_BUFFERS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=CONSUMERS)
