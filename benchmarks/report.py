@@ -85,8 +85,10 @@ def write_json(path: Path, obj) -> None:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
+    """rows as CSV; a column for every key any row has (a triton row carries its tuner's choices, others do not)."""
+    fieldnames = list(dict.fromkeys(key for row in rows for key in row))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(rows)
 

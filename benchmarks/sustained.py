@@ -10,8 +10,10 @@ power even where it hides behind other work (docs/perf_notes.md).
     python -m benchmarks.sustained --family window --T 8192,16384 --hs 128,64   # ours (blocks of 64, 128) vs Flex
     python -m benchmarks.sustained --family documents --T 16384 --hs 128
     python -m benchmarks.sustained --family dense --T 16384 --hs 128 --causal false   # ours vs cuDNN
+    python -m benchmarks.sustained --family dense --T 1024,4096 --passes fwd,fwd+bwd
 
-Shapes as benchmarks/sparse.py (B*T = 16384 tokens, nh*hs = 2048), bf16, forward+backward. The energy
+Shapes as benchmarks/sparse.py (B*T = 16384 tokens, nh*hs = 2048), bf16, forward+backward unless --passes says
+otherwise (the passes of benchmarks/attention.py, timed the same way). The energy
 comes from NVML's counter (libnvidia-ml ships with the NVIDIA driver), through ctypes.
 """
 import argparse
@@ -23,7 +25,7 @@ import torch
 import triton
 
 from attention import BlockMask, attention
-from benchmarks.attention import Shape, comma_list, forced_sdpa_backend, pass_step, registry_backend
+from benchmarks.attention import PASSES, Shape, comma_list, forced_sdpa_backend, pass_step, registry_backend
 from benchmarks.report import environment, fmt, markdown_table, parse_bool, write_json
 from benchmarks.sparse import GRIDS, MASKS, flex, packed_document_ids
 
@@ -95,16 +97,17 @@ def implementations(family: str, shape: Shape, args, device) -> dict:
     return impls
 
 
-def measure(family: str, shape: Shape, args, device, nvml: Nvml) -> list[dict]:
+def measure(family: str, shape: Shape, pass_: str, args, device, nvml: Nvml) -> list[dict]:
     q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
     rows = []
     torch._dynamo.reset()  # Flex compiles per shape, as in benchmarks/sparse.py
     for name, fn in implementations(family, shape, args, device).items():
-        step = pass_step(fn, "fwd+bwd", q, k, v, dout, shape.causal)
+        step = pass_step(fn, pass_, q, k, v, dout, shape.causal)
         step()  # compile, tune
-        row = dict(family=family, B=shape.B, nh=shape.nh, T=shape.T, hs=shape.hs, causal=shape.causal, impl=name,
+        row = dict(family=family, B=shape.B, nh=shape.nh, T=shape.T, hs=shape.hs, causal=shape.causal, pass_=pass_,
+                   impl=name,
                    do_bench_us=1e3 * triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
         rows.append(row | sustained(step, nvml, args.seconds))
         print(" ".join(f"{key}={fmt(value) if isinstance(value, float) else value}" for key, value in rows[-1].items()),
@@ -113,18 +116,19 @@ def measure(family: str, shape: Shape, args, device, nvml: Nvml) -> list[dict]:
 
 
 def report(rows: list[dict], env: dict, seconds: float) -> str:
-    header = ["family", "T", "hs", "causal", "implementation", "do_bench us", "x ref", "sustained us", "x ref",
-              "mJ / call", "SM MHz"]
+    header = ["family", "T", "hs", "causal", "pass", "implementation", "do_bench us", "x ref", "sustained us",
+              "x ref", "mJ / call", "SM MHz"]
     table, reference = [], None
     for row in rows:
-        if reference is None or any(reference[key] != row[key] for key in ("family", "T", "hs")):
-            reference = row  # the first implementation of each shape
-        table.append([row["family"], row["T"], row["hs"], row["causal"], row["impl"], fmt(row["do_bench_us"]),
+        if reference is None or any(reference[key] != row[key] for key in ("family", "T", "hs", "causal", "pass_")):
+            reference = row  # the first implementation of each shape and pass
+        table.append([row["family"], row["T"], row["hs"], row["causal"], row["pass_"], row["impl"],
+                      fmt(row["do_bench_us"]),
                       fmt(reference["do_bench_us"] / row["do_bench_us"]), fmt(row["sustained_us"]),
                       fmt(reference["sustained_us"] / row["sustained_us"]), fmt(row["mj_per_call"]),
                       fmt(row["sm_mhz"])])
     return (f"# Attention under sustained load\n\n{env['gpu']}, driver {env['driver']}, torch {env['torch']}, "
-            f"triton {env['triton']}, bf16, forward+backward, {env['date']}.\n\n"
+            f"triton {env['triton']}, bf16, {env['date']}.\n\n"
             "- do_bench: median, L2 flushed before each call, 100 ms per implementation "
             "(benchmarks/attention.py's timer)\n"
             f"- sustained: calls back to back for {seconds:g} s after 0.5 s of the same; energy from NVML's "
@@ -140,9 +144,13 @@ def main(argv=None):
     p.add_argument("--hs", type=comma_list(int), default=[128])
     p.add_argument("--causal", type=parse_bool, default=True, help="dense only; the masks are causal")
     p.add_argument("--block_sizes", type=comma_list(int), default=[64, 128], help="BlockMask block sizes of ours")
+    p.add_argument("--passes", type=comma_list(str), default=["fwd+bwd"], help="fwd, bwd, fwd+bwd")
     p.add_argument("--seconds", type=float, default=1.0, help="sustained measurement per implementation")
     p.add_argument("--out_dir", type=Path, default=Path("out/sustained"))
     args = p.parse_args(argv)
+    for pass_ in args.passes:
+        if pass_ not in PASSES:
+            p.error(f"unknown pass {pass_!r}; choose from {', '.join(PASSES)}")
     vars(args).update({key: value for key, value in MASKS["gpu"].items() if key != "block_size"})
     device = torch.device("cuda")
     nvml = Nvml(device)
@@ -152,7 +160,8 @@ def main(argv=None):
             tokens, width = GRIDS["full"]["tokens"], GRIDS["full"]["width"]
             shape = Shape(max(1, tokens // T), width // hs, T, hs, causal=args.causal or args.family != "dense",
                           group="grid")
-            rows += measure(args.family, shape, args, device, nvml)
+            for pass_ in args.passes:
+                rows += measure(args.family, shape, pass_, args, device, nvml)
     env = environment(device)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / f"{args.family}.json", dict(environment=env, seconds=args.seconds, rows=rows))

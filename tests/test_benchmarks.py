@@ -135,7 +135,7 @@ def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path
     # as a user would start it: the script by its path (benchmarks/ must not shadow the attention
     # package) and no TRITON_INTERPRET set (the benchmark sets it before Triton is imported)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "benchmarks/attention.py", "--device", "cpu", "--backends", "triton,sdpa",
+    subprocess.run([sys.executable, "benchmarks/attention.py", "--device", "cpu", "--backends", "sdpa,triton",
                     "--seq_lens", "16", "--head_dims", "16", "--causal", "true", "--tokens", "16", "--width", "16",
                     "--rep_ms", "1", "--out_dir", str(tmp_path)], cwd=REPO, env=env, check=True, timeout=300)
     results = json.loads((tmp_path / "results.json").read_text())
@@ -149,6 +149,10 @@ def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path
     assert not any("tuner" in r for r in results["rows"] if r["backend"] == "sdpa")
     header, choices = markdown_section((tmp_path / "results.md").read_text(), "triton: the tuner's choices")
     assert header[5:] == ["fwd", "dq", "dkdv"] and len(choices) == 1
+    # the CSV has the column though the first row (sdpa's) has no tuner
+    with open(tmp_path / "results.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [bool(r["tuner"]) for r in csv_rows] == [r["backend"] == "triton" for r in results["rows"]]
 
 
 def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):
@@ -353,8 +357,8 @@ def test_sustained_report_compares_each_shape_with_its_first_implementation():
     from benchmarks.sustained import report
 
     def row(T, impl, do_bench_us, sustained_us):
-        return dict(family="window", B=1, nh=16, T=T, hs=128, causal=True, impl=impl, do_bench_us=do_bench_us,
-                    sustained_us=sustained_us, mj_per_call=1000.0, sm_mhz=1800.0)
+        return dict(family="window", B=1, nh=16, T=T, hs=128, causal=True, pass_="fwd+bwd", impl=impl,
+                    do_bench_us=do_bench_us, sustained_us=sustained_us, mj_per_call=1000.0, sm_mhz=1800.0)
 
     rows = [row(8192, "flex", 1500.0, 1600.0), row(8192, "triton", 1250.0, 2000.0),
             row(16384, "flex", 3000.0, 3000.0), row(16384, "triton", 3000.0, 1500.0)]
@@ -362,7 +366,7 @@ def test_sustained_report_compares_each_shape_with_its_first_implementation():
     text = report(rows, env, seconds=1.5)
     assert "back to back for 1.5 s" in text
     cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| window")]
-    assert [(c[4], c[6], c[8]) for c in cells] == [("flex", "1", "1"), ("triton", "1.2", "0.8"),
+    assert [(c[5], c[7], c[9]) for c in cells] == [("flex", "1", "1"), ("triton", "1.2", "0.8"),
                                                   ("flex", "1", "1"), ("triton", "1", "2")]
 
 
