@@ -9,7 +9,9 @@ head) each (one item, or with a persistent grid a share of them in pairs: _work_
                       slots, each slot refilled as soon as every consumer is done with it;
   _softmax_rows       two or three consumer warpgroups of 64 rows each: the online softmax over the key tiles,
                       S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
-                      warpgroup's softmax runs while the tensor cores multiply (§12 says whose products).
+                      warpgroup's softmax runs while the tensor cores multiply (§12 says whose products); then
+                      O through a staging tile in shared memory to the copy engine, which stores it while the
+                      warpgroup goes on (§12 "O leaves by the copy engine").
 
 `tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization
 hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
@@ -63,11 +65,14 @@ ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 ro
 # to the consumers, which hold S, P and O
 REGS = {2: (168, 240), 3: (128, 160)}
 PRODUCER_REGS = tl.constexpr(24)
+# shared memory a program may take on Hopper (227 KB), less what the barriers and the compiler's scratch need
+SHARED_BYTES = tl.constexpr(227 * 1024 - 2048)
 
 
 if gluon is not None:
-    # Triton 3.9 renamed the TMA load; this file compiles with 3.6 (the GPU box) and 3.9 (CI)
+    # Triton 3.9 renamed the TMA load and store; this file compiles with 3.6 (the GPU box) and 3.9 (CI)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _items(n_work, per_turn):
@@ -142,16 +147,19 @@ if gluon is not None:
         return gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
 
     @gluon.jit
-    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob,
-                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem,
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
-        and log-sum-exp."""
+        and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
+        _attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         Q_BUFFERS: gl.constexpr = q_ready.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+        # as _attn_fwd_ws decides: O through shared memory where staging tiles fit beside Q and the ring
+        O_STAGED: gl.constexpr = ((Q_BUFFERS + 1) * BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2 <= SHARED_BYTES
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -238,36 +246,49 @@ if gluon is not None:
             seen = l_o > 0
             l_safe = gl.where(seen, l_o, 1.0)
             rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
-            o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
-            o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
-            gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
+            if O_STAGED:
+                # O by the copy engine, which leaves out rows past Tq: the tile goes to shared memory (once the
+                # last item's store has read it), and the warpgroup goes on. Stored from registers, 4-byte pieces
+                # 8 rows apart, O took 1.4 us per item at hs=64 and 2.4 at hs=128 (§12, perf notes)
+                o_tile = o_smem.index(WG)
+                tma.store_wait(0)
+                o_tile.store((acc / l_safe[:, None]).to(o_desc.dtype))
+                fence_async_shared()  # the stores, visible to the copy engine
+                _tma_store(o_desc, [bh // H, bh % H, first_row, 0], o_tile.reshape([1, 1, ROWS, HEAD_DIM]))
+            else:
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
+                o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
+                o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
+                gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
             lse = gl.where(seen, (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * 0.6931471805599453,
                            float("inf"))
             gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
+        if O_STAGED:
+            tma.store_wait(0)  # the last O has left shared memory before the program ends
 
     # one function per consumer warpgroup: warp_specialize cannot pass a partition a constexpr (WG), so each
     # partition fixes its own (the third runs only with three consumers)
     @gluon.jit
-    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                        stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                      stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+        _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag, scale,
+    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
+                     scale,
                      n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
@@ -285,6 +306,12 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        # O's staging tiles, one per consumer, where they fit (not at hs=128 with 128-key tiles in 3 stages: there
+        # the consumers store O from registers, and the tile still measured fastest at T >= 4k)
+        if ((Q_BUFFERS + 1) * CONSUMERS * ROWS + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2 <= SHARED_BYTES:
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
+        else:
+            o_smem = q_smem  # in its place, not used
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -297,8 +324,9 @@ if gluon is not None:
             mbarrier.init(kv_empty.index(i), count=CONSUMERS)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
-        consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, O, stride_ob, stride_oh,
-                         stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, scale * 1.4426950408889634)
+        consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
+                         stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                         scale * 1.4426950408889634)
         producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
                          GROUP, n_m_tiles, n_work, per_turn, Tk, diag)
         # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
@@ -365,12 +393,15 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
-    """Write O into o (B, Hq, Tq, D), any strides with a unit last one, and lse (B, Hq, Tq) float32, natural
-    log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows. tile: (BLOCK_N, STAGES, PERSISTENT,
-    CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
-    lse, scale), the same launch for tensors shaped, strided and aligned like these."""
+    """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_flash.empty_bthd's tensors
+    are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
+    tile: (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its
+    registers) and again(q, k, v, o, lse, scale), the same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
+    if not tma_can_read(o):
+        raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
+                         "stride and 16-byte aligned start and strides; allocate it with triton_flash.empty_bthd")
     block_n, stages, persistent, consumers = tile
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
@@ -380,14 +411,15 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
     per_turn = 2 if persistent else 1
     programs = min(triton.cdiv(n_work, per_turn), _sm_count(q.device)) if persistent else n_work
-    descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n))
+    descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
+                   descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     first = launch(_attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
                    BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4,
                    maxnreg=launch_regs)
-    q_desc, k_desc, v_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
+    q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
 
     def again(q, k, v, o, lse, scale):
-        first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), o, lse, *sizes, scale, n_work,
-                    per_turn)
+        first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), rebased(o_desc, o), o, lse,
+                    *sizes, scale, n_work, per_turn)
     return Launched(first.compiled, again)

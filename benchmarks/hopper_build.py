@@ -54,9 +54,10 @@ def build(head_dim: int, tile: tuple[int, int, int]):
     block_n, stages, consumers = tile
     launch_regs, consumer_regs = triton_hopper.REGS[consumers]
     signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
-                     k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim), O="*bf16",
-                     LSE="*fp32", stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32",
-                     Tk="i32", diag="i32", scale="fp32", n_work="i32", per_turn="i32")
+                     k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
+                     o_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
+                     stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
+                     diag="i32", scale="fp32", n_work="i32", per_turn="i32")
     return _compile(triton_hopper._attn_fwd_ws, signature,
                     dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs), launch_regs)
 

@@ -57,13 +57,13 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
         # The tiles were chosen on the GPU box's Triton 3.6, which builds the two-consumer ones without spills, and
-        # parks one value (8 bytes, 2 stores) in the three-consumer ones' epilogue, where each consumer has 160
-        # registers. Triton 3.9's register allocation parks more (9 stores at hs=64, BLOCK_N=128; 102 at hs=128,
-        # BLOCK_N=128): where that costs time, the tuner, which times the tiles as built, takes another. Under other
-        # versions the bound only catches a change that spills far more than that.
+        # parks two values (16 bytes, 6 stores) in the three-consumer ones' epilogue, where each consumer has 160
+        # registers. Triton 3.9's register allocation parks more (5 stores at hs=64 with two consumers, 114 with
+        # three; 103 at hs=128, BLOCK_N=128): where that costs time, the tuner, which times the tiles as built,
+        # takes another. Under other versions the bound only catches a change that spills far more than that.
         if triton.__version__.startswith("3.6."):
             three = built["tile"][2] == 3
-            assert built["spill_stores"] <= (2 if three else 0) and built["stack_bytes"] <= (8 if three else 0), built
+            assert built["spill_stores"] <= (6 if three else 0) and built["stack_bytes"] <= (16 if three else 0), built
         else:
             assert built["spill_stores"] <= 128 and built["stack_bytes"] <= 256, built
 
