@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -238,27 +238,56 @@ def failure(e: Exception) -> str:
     return f"error: {first_line(e)}"
 
 
-def measure(fn, shape: Shape, passes, dtype, device, rep_ms: float) -> dict[str, dict]:
-    """pass -> {"ms", "tflops", "peak_mem_gib", "status"} for one backend on one shape."""
-    q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    dout = torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype)
-    results = {}
-    for pass_ in passes:
-        cell = {"ms": None, "tflops": None, "peak_mem_gib": None, "status": "ok"}
-        try:
-            step = pass_step(fn, pass_, q, k, v, dout, shape.causal)
-            step()  # warm-up: compilation and autotuning happen here, outside the timing
-            cell["ms"] = median_ms(step, (q, k, v), device, rep_ms)
-            flops = attention_flops(shape.B, shape.nh, shape.T, shape.hs, shape.causal, pass_)
-            cell["tflops"] = flops / (cell["ms"] * 1e-3) / 1e12
-            if pass_ == "fwd+bwd" and device.type == "cuda":
-                cell["peak_mem_gib"] = peak_memory_gib(fn, q, k, v, dout, shape.causal)
-        except Exception as e:  # a backend rejecting a shape is a result to record, not a crash
-            cell = {"ms": None, "tflops": None, "peak_mem_gib": None, "status": failure(e)}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        results[pass_] = cell
-    return results
+def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, device, rep_ms: float,
+            rounds: int = 1) -> dict[str, dict[str, dict]]:
+    """name -> pass -> {"ms", "tflops", "peak_mem_gib", "status"} for backends fns (name -> fn) on one shape, side by
+    side. Every (backend, pass) first runs once (compilation and autotuning happen there, outside the timing); then
+    `rounds` rounds time each once (median_ms), the order rotating by one per round, and a cell's ms is the median
+    of its rounds. Timed one after the other, a kernel runs at the clock the one before left the GPU (under the
+    H200's power cap, a kernel that draws more lowers it for the next; the same forward timed three times in a row
+    measured 0.467, 0.521 and 0.574 ms), so a fixed order would favour whichever backend goes first."""
+    cells = {name: {} for name in fns}
+    inputs, steps = {}, []  # steps: the (name, pass) that ran their warm-up
+    for name, fn in fns.items():
+        q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        inputs[name] = q, k, v, torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype)
+        for pass_ in passes_of[name]:
+            try:
+                pass_step(fn, pass_, *inputs[name], shape.causal)()
+                steps.append((name, pass_))
+            except Exception as e:  # a backend rejecting a shape is a result to record, not a crash
+                cells[name][pass_] = failed_cell(e, device)
+    times = {key: [] for key in steps}
+    for r in range(rounds):
+        turn = r % max(len(steps), 1)
+        for name, pass_ in steps[turn:] + steps[:turn]:
+            if pass_ in cells[name]:  # failed in an earlier round
+                continue
+            try:
+                step = pass_step(fns[name], pass_, *inputs[name], shape.causal)
+                times[(name, pass_)].append(median_ms(step, inputs[name][:3], device, rep_ms))
+            except Exception as e:
+                cells[name][pass_] = failed_cell(e, device)
+    for (name, pass_), ts in times.items():
+        if pass_ in cells[name]:
+            continue
+        ms = statistics.median(ts)
+        flops = attention_flops(shape.B, shape.nh, shape.T, shape.hs, shape.causal, pass_)
+        cell = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_mem_gib": None, "status": "ok"}
+        if pass_ == "fwd+bwd" and device.type == "cuda":
+            try:
+                cell["peak_mem_gib"] = peak_memory_gib(fns[name], *inputs[name], shape.causal)
+            except Exception as e:
+                cell = failed_cell(e, device)
+        cells[name][pass_] = cell
+    return {name: {p: cells[name][p] for p in passes_of[name]} for name in fns}  # in the order of passes_of
+
+
+def failed_cell(e: Exception, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ms": None, "tflops": None, "peak_mem_gib": None, "status": failure(e)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,6 +322,7 @@ def run(args) -> Path:
             "timer": "triton.testing.do_bench median, CUDA events" if device.type == "cuda"
             else "time.perf_counter median on CPU (rough: no cache flush, no GPU)",
             "rep_ms": args.rep_ms,
+            "rounds": args.rounds,
             "memory": "peak allocated during one fwd+bwd minus the allocated inputs q, k, v, dout (null on CPU)",
             "flops": "4*B*nh*T*T*hs per forward, /2 when causal, x2.5 backward, x3.5 forward+backward",
             "compile": "torch._dynamo.reset() before every shape: each shape compiles static, as a fixed-T training run",
@@ -314,22 +344,21 @@ def run(args) -> Path:
         # and every shape gets static-shape kernels, as a training run at one fixed T would.
         torch._dynamo.reset()
         free = free_memory_bytes(device)
+        bar.set_postfix_str(str(shape))
+        todo = {name: [p for p in args.passes if (name, *astuple(shape)[:5], p) not in done] for name in args.backends}
+        skips = {name: factories[name] if isinstance(factories[name], str)
+                 else score_memory_skip_reason(name, shape, dtype.itemsize, free) for name in args.backends}
+        run_now = {name: factories[name] for name in args.backends if todo[name] and not skips[name]}
+        measured = measure(run_now, shape, todo, dtype, device, args.rep_ms, args.rounds)
         for name in args.backends:
-            bar.set_postfix_str(f"{name} {shape}")
-            todo = [p for p in args.passes if (name, shape.B, shape.nh, shape.T, shape.hs, shape.causal, p) not in done]
-            if todo:
-                skip = factories[name] if isinstance(factories[name], str) else score_memory_skip_reason(
-                    name, shape, dtype.itemsize, free
-                )
-                if skip:
-                    cells = {p: {"ms": None, "tflops": None, "peak_mem_gib": None, "status": skip} for p in todo}
-                else:
-                    cells = measure(factories[name], shape, todo, dtype, device, args.rep_ms)
-                # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
-                tuner = {kernel: str(choice) for kernel, choice in triton_flash.tuned_choices(
-                    shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if name == "triton" and not skip else {}
-                rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": tuner} if tuner else {})}
-                         for p, cell in cells.items()]
+            skipped = {"ms": None, "tflops": None, "peak_mem_gib": None, "status": skips[name]}
+            cells = measured.get(name) or {p: skipped for p in todo[name]}
+            # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
+            ran_ours = name == "triton" and name in measured
+            tuner = {kernel: str(choice) for kernel, choice in triton_flash.tuned_choices(
+                shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if ran_ours else {}
+            rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": tuner} if tuner else {})}
+                     for p, cell in cells.items()]
             bar.update()
         write_json(results_path, results)  # after every shape: a run cut off keeps what it measured
     bar.close()
@@ -362,6 +391,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, help="fix B instead of B*T (e.g. --batch 1 for memory vs T)")
     p.add_argument("--gpt2", action=argparse.BooleanOptionalAction, help="add the GPT-2 shape B=16 nh=12 T=1024 hs=64")
     p.add_argument("--rep_ms", type=float, default=100.0, help="time spent timing each cell (do_bench's rep)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per shape, every backend timed once in each, the order rotating; a cell's ms is "
+                        "the median of its rounds")
     p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>/")
     p.add_argument("--resume", action="store_true", help="keep the cells already in out_dir/results.json")
     p.add_argument("--seed", type=int, default=0)
@@ -379,6 +411,8 @@ def parse_args(argv=None):
     for pass_ in args.passes:
         if pass_ not in PASSES:
             p.error(f"unknown pass {pass_!r}; choose from {', '.join(PASSES)}")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1")
     return args
 
 

@@ -113,7 +113,9 @@ def markdown(res: Results) -> str:
     out = [
         "# Attention kernel benchmark\n",
         f"{machine}, torch {env['torch']}, triton {env['triton']}, {s['dtype']}, {env['date']}.\n",
-        f"- timer: {s['timer']}, {s['rep_ms']} ms per cell after a warm-up call (compilation and autotuning excluded)",
+        f"- timer: {s['timer']}, {s['rep_ms']} ms per cell after a warm-up call (compilation and autotuning excluded)"
+        + (f"; the median of {s['rounds']} rounds, each timing every backend once, the order rotating"
+           if s.get("rounds", 1) > 1 else ""),
         f"- TFLOP/s: {s['flops']}",
         f"- memory: {s['memory']}",
         f"- compiled backends: {s['compile']}",

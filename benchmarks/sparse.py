@@ -44,7 +44,7 @@ from benchmarks.attention import (
     Shape,
     comma_list,
     default_out_dir,
-    failure,
+    failed_cell,
     measure,
 )
 from benchmarks.report import environment, write_json
@@ -175,14 +175,15 @@ def measure_case(family: str, shape: Shape, todo: dict[str, list[str]], args, de
     if family == "documents":
         ids = packed_document_ids(shape.B, shape.T, args.doc_lengths, args.seed, device)
     pairs = visible_pairs(family, shape.B, shape.T, args, ids)
-    rows = []
+    rows, fns, cells_of = [], {}, {}
     for impl, passes in todo.items():
         try:
-            fn = ours(family, args, ids) if impl == args.backend else flex(family, args, ids, shape, device)
-            cells = measure(fn, shape, passes, dtype, device, args.rep_ms)
+            fns[impl] = ours(family, args, ids) if impl == args.backend else flex(family, args, ids, shape, device)
         except Exception as e:  # noqa: BLE001 -- e.g. no FlexAttention in this torch, or its block mask out of memory
-            cells = {p: {"ms": None, "tflops": None, "peak_mem_gib": None, "status": failure(e)} for p in passes}
-        for pass_, cell in cells.items():
+            cells_of[impl] = {p: failed_cell(e, device) for p in passes}
+    cells_of |= measure(fns, shape, todo, dtype, device, args.rep_ms, args.rounds)  # side by side, in rounds
+    for impl in todo:
+        for pass_, cell in cells_of[impl].items():
             if cell["ms"] is not None:  # measure() counted dense causal FLOPs; count what the mask leaves
                 flops = 4 * shape.nh * shape.hs * pairs * PASS_FLOP_FACTOR[pass_]
                 cell["tflops"] = flops / (cell["ms"] * 1e-3) / 1e12
@@ -208,6 +209,7 @@ def run(args) -> Path:
         "doc_lengths": args.doc_lengths,
         "seed": args.seed,
         "rep_ms": args.rep_ms,
+        "rounds": args.rounds,
         "timer": "triton.testing.do_bench median, CUDA events" if device.type == "cuda"
         else "time.perf_counter median on CPU (rough: no cache flush, no GPU)",
         "flops": "4*nh*hs per visible (query, key) pair (the mask's useful work), x2.5 backward, x3.5 forward+backward",
@@ -262,6 +264,7 @@ def parse_args(argv=None):
     p.add_argument("--topk", type=int, help="MoBA past blocks per query (default 3)")
     p.add_argument("--doc_lengths", type=comma_list(int), help="lo,hi document lengths (default 100,2000)")
     p.add_argument("--rep_ms", type=float, default=100.0, help="time spent timing each cell (do_bench's rep)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per shape, as benchmarks/attention.py's")
     p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-sparse/")
     p.add_argument("--resume", action="store_true", help="keep the cells already in out_dir/results.json")
     p.add_argument("--seed", type=int, default=0)
@@ -283,6 +286,8 @@ def parse_args(argv=None):
         p.error(f"--doc_lengths takes lo,hi with 0 < lo <= hi, got {args.doc_lengths}")
     if any(args.width % hs for hs in args.head_dims):
         p.error(f"--width {args.width} must be a multiple of every head dim {args.head_dims}")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give at least 1")
     return args
 
 

@@ -81,7 +81,9 @@ def markdown(res: Results) -> str:
         f"{machine}, torch {env['torch']}, triton {env['triton']}, {s['dtype']}, {env['date']}.\n",
         (f"- ours = `{s['backend']}`; window = {tuple(s['window'])} (causal); documents of {lo}..{hi} tokens "
          f"packed, seed {s['seed']}; MoBA block {s['block_size']}, top-{s['topk']}"),
-        f"- timer: {s['timer']}, {s['rep_ms']} ms per cell after a warm-up call",
+        f"- timer: {s['timer']}, {s['rep_ms']} ms per cell after a warm-up call"
+        + (f"; the median of {s['rounds']} rounds, each timing every implementation once, the order rotating"
+           if s.get("rounds", 1) > 1 else ""),
         f"- TFLOP/s: {s['flops']}",
         f"- memory: {s['memory']}",
         f"- compile: {s['compile']}",

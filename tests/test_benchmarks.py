@@ -121,6 +121,42 @@ def test_sweep_records_a_skip_and_resumes_without_remeasuring(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_backends_are_timed_in_rounds_in_rotating_order_and_a_failure_stays_a_cell(monkeypatch):
+    # a kernel runs at the clock the one timed before it left (docs/perf_notes.md): each round times every
+    # (backend, pass) once, starting one further along, and a cell's ms is the median of its rounds
+    timed = []
+
+    def fake_median_ms(step, grads, device, rep_ms):
+        step()
+        timed.append(step.label)
+        return {"a": 1.0, "b": 2.0}[step.label[0]] * (1 + len(timed) % 3)  # rounds differ; the median is 2x
+
+    def labelled(fn, pass_, q, k, v, dout, causal):
+        step = lambda: fn(q, k, v, causal)  # noqa: E731
+        step.label = (fn.name, pass_)
+        return step
+
+    def backend(name, fails_on=None):
+        def fn(q, k, v, causal):
+            if fails_on is not None and len(timed) >= fails_on:
+                raise RuntimeError("out of luck")
+            return q
+        fn.name = name
+        return fn
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    monkeypatch.setattr(bench, "pass_step", labelled)
+    shape = bench.Shape(B=1, nh=1, T=4, hs=2, causal=True, group="grid")
+    cells = bench.measure({"a": backend("a"), "b": backend("b", fails_on=4)}, shape,
+                          {"a": ["fwd", "bwd"], "b": ["fwd"]}, torch.float32, torch.device("cpu"), 1.0, rounds=3)
+    # round 1: a/fwd a/bwd b/fwd; round 2 starts at a/bwd; b fails in round 2 (its 4th timing on) and is not
+    # timed again
+    assert timed == [("a", "fwd"), ("a", "bwd"), ("b", "fwd"), ("a", "bwd"), ("a", "fwd"), ("a", "fwd"), ("a", "bwd")]
+    assert cells["a"]["fwd"]["status"] == "ok" and cells["a"]["fwd"]["ms"] == 2.0
+    assert cells["b"]["fwd"]["status"] == "error: RuntimeError: out of luck" and cells["b"]["fwd"]["ms"] is None
+    assert list(cells) == ["a", "b"] and list(cells["a"]) == ["fwd", "bwd"]
+
+
 def test_compiled_backend_never_hits_the_recompile_limit_over_the_grid(tmp_path):
     # a limit of one compile per function: every new shape would fail without the sweep's Dynamo reset.
     # torch's own config.patch, not monkeypatch: pytest >= 9.2 undoes a module-attribute patch with
