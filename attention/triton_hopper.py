@@ -288,8 +288,7 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
-                     scale,
-                     n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                     scale, n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
         walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
@@ -308,7 +307,9 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         # O's staging tiles, one per consumer, where they fit (not at hs=128 with 128-key tiles in 3 stages: there
         # the consumers store O from registers, and the tile still measured fastest at T >= 4k)
-        if ((Q_BUFFERS + 1) * CONSUMERS * ROWS + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2 <= SHARED_BYTES:
+        staged_bytes: gl.constexpr = ((Q_BUFFERS + 1) * CONSUMERS * ROWS + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2
+        O_STAGED: gl.constexpr = staged_bytes <= SHARED_BYTES
+        if O_STAGED:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
         else:
             o_smem = q_smem  # in its place, not used
