@@ -284,10 +284,15 @@ def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, dev
     return {name: {p: cells[name][p] for p in passes_of[name]} for name in fns}  # in the order of passes_of
 
 
+def empty_cell(status: str) -> dict:
+    """A cell with no measurement: skipped or failed, status saying why."""
+    return {"ms": None, "tflops": None, "peak_mem_gib": None, "status": status}
+
+
 def failed_cell(e: Exception, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"ms": None, "tflops": None, "peak_mem_gib": None, "status": failure(e)}
+    return empty_cell(failure(e))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,8 +356,7 @@ def run(args) -> Path:
         run_now = {name: factories[name] for name in args.backends if todo[name] and not skips[name]}
         measured = measure(run_now, shape, todo, dtype, device, args.rep_ms, args.rounds)
         for name in args.backends:
-            skipped = {"ms": None, "tflops": None, "peak_mem_gib": None, "status": skips[name]}
-            cells = measured.get(name) or {p: skipped for p in todo[name]}
+            cells = measured.get(name) or {p: empty_cell(skips[name]) for p in todo[name]}
             # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
             ran_ours = name == "triton" and name in measured
             tuner = {kernel: str(choice) for kernel, choice in triton_flash.tuned_choices(

@@ -7,6 +7,10 @@ HEAD's kernel and `release` travel as .gpu_carry/triton_hopper_head.py and .gpu_
 checks of every hs=64 tile of both new kernels on odd shapes, then the hs=64 forward cells beside cuDNN (do_bench
 median over three rounds in rotating order), the package's tuner too. bf16.
 
+    git show 6abd97e:attention/triton_hopper.py | sed 's/^from .launch/from attention.launch/' \
+        > .gpu_carry/triton_hopper_head.py
+    cp .gpu_carry/triton_hopper_head.py .gpu_carry/triton_hopper_release.py
+    patch .gpu_carry/triton_hopper_release.py benchmarks/results/2026-11-22-h200-item-edges/release.patch
     PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-item-edges/edges_probe.py OUT_DIR
 """
 import datetime

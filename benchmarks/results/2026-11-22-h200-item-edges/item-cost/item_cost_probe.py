@@ -12,6 +12,11 @@
    float64 checks there (it writes no O).
 Package tiles: (128, 3, persistent, 2) at both head dims. bf16, do_bench median over three rotating rounds.
 
+The variants are 4578443's attention/triton_hopper.py with this folder's VARIANT.patch:
+
+    git show 4578443:attention/triton_hopper.py | sed 's/^from .launch/from attention.launch/' \
+        > .gpu_carry/triton_hopper_VARIANT.py
+    patch .gpu_carry/triton_hopper_VARIANT.py benchmarks/results/2026-11-22-h200-item-edges/item-cost/VARIANT.patch
     PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-item-edges/item-cost/item_cost_probe.py OUT_DIR [VARIANT]
 """
 import datetime

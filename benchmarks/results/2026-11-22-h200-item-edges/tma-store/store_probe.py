@@ -1,10 +1,14 @@
 """Probe: the Hopper forward storing O by TMA (the package: each consumer's O tile through shared memory, then one
 bulk copy) against storing it from registers (`gstore`: .gpu_carry/triton_hopper_gstore.py, 4578443's
 attention/triton_hopper.py, 4-byte stores 8 rows apart, 1.4-2.4 us per work item in item-cost/). The staging tiles
-take 8 KB (hs=64) or 16 KB (hs=128) per consumer, so at hs=128 BLOCK_N=128 fits 2 stages, not 3. First float64
+take 8 KB (hs=64) or 16 KB (hs=128) per consumer, so at hs=128 BLOCK_N=128 fits 2 stages, not 3. As run, the package
+had TILES[128] = [(128, 2, True, 2), (64, 3, True, 2)], every tile staged; the commit after it (2f9fa96) keeps
+(128, 3, True, 2) with the register stores instead of (128, 2, True, 2), the faster of the two here. First float64
 checks of every package tile on odd shapes, then every forward cell beside cuDNN, each kernel's tiles and the
 package's tuner, three rounds in rotating order, do_bench median. bf16.
 
+    git show 4578443:attention/triton_hopper.py | sed 's/^from .launch/from attention.launch/' \
+        > .gpu_carry/triton_hopper_gstore.py
     PYTHONPATH=$PWD python3 benchmarks/results/2026-11-22-h200-item-edges/tma-store/store_probe.py OUT_DIR
 """
 import datetime
