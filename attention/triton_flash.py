@@ -117,9 +117,9 @@ class _TuningKey(NamedTuple):
     Tk_bucket: int
 
 
-def _backward_key(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> tuple:
-    """The key of the backward's choice on Hopper (_backward_choice)."""
-    return head_dim, causal, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk)
+def _backward_key(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int, tiles: list) -> tuple:
+    """The key of the backward's choice on Hopper (_backward_choice), among these candidate tiles."""
+    return head_dim, causal, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk), tuple(tiles)
 
 
 # tuning key -> fastest tile
@@ -885,23 +885,25 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
             and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
-        stages = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
-                                  triton_hopper_backward.TILES[D],
-                                  _backward_key(D, causal, q.dtype, Tq, Tk), (do, q, k, v, o, lse, dq, dk, dv, scale))
-        if stages is not None:
-            return hopper(stages).again
+        tiles = triton_hopper_backward.tiles(D, dk, dv)
+        tile = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
+                                tiles, _backward_key(D, causal, q.dtype, Tq, Tk, tiles),
+                                (do, q, k, v, o, lse, dq, dk, dv, scale))
+        if tile is not None:
+            return hopper(tile).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
 
 
-# tuning key -> the backward's choice on Hopper: None (the `tl` kernels) or the Hopper kernel's STAGES
-_best_backward: dict[tuple, int | None] = {}
+# tuning key -> the backward's choice on Hopper: None (the `tl` kernels) or the Hopper kernel's tile
+_best_backward: dict[tuple, tuple | None] = {}
 
 
 def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> dict:
     """What the tuner (§9) has chosen so far for dense calls of these sizes, by kernel: "fwd", "dq", "dkdv" ->
     (tile, variant), variant "hopper" being §12's kernel with a (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) tile;
-    "bwd" -> None where the `tl` pair (dq, dkdv) runs, or the STAGES of §13's kernel. Kernels not tuned yet are left
-    out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py records it per cell."""
+    "bwd" -> None where the `tl` pair (dq, dkdv) runs, or §13's kernel's (STAGES, DKDV_STAGED) tile. Kernels not
+    tuned yet are left out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py
+    records it per cell."""
     buckets = (triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     dense = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPARSE=False, WINDOW=False, DOCS=False, BITS=False)
     found = {}
@@ -910,26 +912,26 @@ def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: 
         if ((key.dtype, key.Tq_bucket, key.Tk_bucket) == (dtype, *buckets)
                 and all(constants.get(name) == value for name, value in dense.items())):
             found[key.kernel] = choice
-    backward_key = _backward_key(head_dim, causal, dtype, Tq, Tk)
-    if backward_key in _best_backward:
-        found["bwd"] = _best_backward[backward_key]
+    for key, choice in _best_backward.items():
+        if key[:5] == (head_dim, causal, dtype, *buckets):  # whichever candidate tiles (_backward_key)
+            found["bwd"] = choice
     return found
 
 
-def _backward_choice(tl_backward, hopper_backward, stages: list[int], key: tuple, call: tuple) -> int | None:
+def _backward_choice(tl_backward, hopper_backward, tiles: list[tuple], key: tuple, call: tuple) -> tuple | None:
     """The backward for key: None for the `tl` kernels (each with its own tuned tile, _launch), or the Hopper
-    kernel's stage count; on the key's first call the candidates are timed (§9), each run writing the gradients,
-    which the caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(stages) -> the Hopper
+    kernel's tile; on the key's first call the candidates are timed (§9), each run writing the gradients,
+    which the caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(tile) -> the Hopper
     kernel's Launched; both plans take call."""
     if key not in _best_backward:
         if HOPPER_MODE == "1":
-            _best_backward[key] = stages[0]
+            _best_backward[key] = tiles[0]
         elif os.environ.get("NANOFLASH_AUTOTUNE", "1") == "0":
             _best_backward[key] = None
         else:
             # timed as their plans (the `tl` kernels' first run tunes their tiles, so their time is the tuned one)
             times = _timed({None: lambda: functools.partial(tl_backward(), *call),
-                            **{s: lambda s=s: functools.partial(hopper_backward(s).again, *call) for s in stages}})
+                            **{t: lambda t=t: functools.partial(hopper_backward(t).again, *call) for t in tiles}})
             _best_backward[key] = min(times, key=times.get)
             if tuning_log is not None:
                 tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))

@@ -31,6 +31,8 @@ Synchronisation, with mbarriers (a phase bit flips each time the expected arriva
   ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
                       (both dQ matmuls that read it are done). The consumers meet there once per query tile; at
                       hs=128 warpgroup 1 reads the buffer of the tile before, so it seldom waits there.
+  k_free              count 2: both consumers are past their last dQ matmul, so K's rows may take dK (a staged
+                      tile's epilogue: dK and dV leave by TMA through the rows K and V took).
 The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
 
 The float32 adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
@@ -65,10 +67,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
 KEYS = tl.constexpr(64)  # keys per consumer warpgroup
 BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one wgmma tall
-# STAGES (slots in the Q/dO ring) per head dim, as measured on the H200 (docs/perf_notes.md); the tuner picks per
-# shape. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers and the build spills (33 stores);
-# a third slot fits in shared memory but spills more and ran 11-15% slower (§13).
-TILES = {64: [2, 3], 128: [2]}
+# Tiles (STAGES, DKDV_STAGED) per head dim, as measured on the H200 (docs/perf_notes.md); the tuner picks per shape.
+# STAGES: slots in the Q/dO ring. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers and the
+# build spills (33 stores); a third slot fits in shared memory but spills more and ran 11-15% slower (§13).
+# DKDV_STAGED: dK and dV leave through shared memory by TMA instead of from registers by pointers. It ran 3-10%
+# faster at T=1k (and hs=128 4k) and 3-7% slower at hs=64 from 4k on, where the epilogue is a small part and the
+# build's schedule of the main loop comes out slower (§13 "dK and dV leave"): so both, and the tuner chooses.
+TILES = {64: [(2, False), (3, False), (3, True)], 128: [(2, False), (2, True)]}
 # a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
 DQ_GROUP_BYTES = 8 << 20
 
@@ -133,6 +138,12 @@ if gluon is not None:
         first_m on for each query head of the kv head's group in turn (§7)."""
         return bh_kv * GROUP + t // per_head, (first_m + t % per_head) * BLOCK_M
 
+    @gluon.jit
+    def _rows_of(kv_smem, WG: gl.constexpr):
+        """Warpgroup WG's 64 key rows of a (BLOCK_N, D) K or V tile, as the (1, 1, 64, D) block a descriptor of
+        (B, H, T, D) copies (reshaped before sliced: Gluon cannot reshape a slice)."""
+        return kv_smem.reshape([1, 1, BLOCK_N, kv_smem.shape[1]]).slice(WG * KEYS, KEYS, dim=2)
+
     @builtin
     def _tma_add(desc, coord, src, _semantic=None):
         """global[desc's block at coord] += shared memory src, by the copy engine (`cp.reduce.async.bulk.tensor
@@ -196,9 +207,9 @@ if gluon is not None:
 
     @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
-                       qdo_ready, qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale):
+                       qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
+                       stride_dvb, stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group,
+                       Tq, Tq_pad, Tk, diag, qk_scale, scale):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its half of each query tile's dQ
         columns."""
         STAGES: gl.constexpr = q_smem.shape[0]
@@ -281,32 +292,45 @@ if gluon is not None:
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
-        rows = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))  # (KEYS,)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kd_layout))  # (D,)
-        keep = (rows < Tk)[:, None]
-        dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows.to(gl.int64)[:, None] * stride_dkt
-        gl.store(dk_ptrs + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=keep)
-        dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows.to(gl.int64)[:, None] * stride_dvt
-        gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+        if DK.dtype.is_ptr():  # from the accumulators' registers, by pointers
+            rows = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))  # (KEYS,)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kd_layout))  # (D,)
+            keep = (rows < Tk)[:, None]
+            dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows.to(gl.int64)[:, None] * stride_dkt
+            gl.store(dk_ptrs + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=keep)
+            dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows.to(gl.int64)[:, None] * stride_dvt
+            gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+        else:  # DK, DV are descriptors: staged in shared memory, stored by the copy engine (§13 "dK and dV leave")
+            # dV where this warpgroup's V rows were: only its own matmuls read them, all done
+            v_smem.slice(WG * KEYS, KEYS).store(dv.to(v_smem.dtype))
+            fence_async_shared()  # the stores, visible to the copy engine
+            triton_hopper._tma_store(DV, [b, h_kv, first_key, 0], _rows_of(v_smem, WG))
+            # dK where its K rows were, once both warpgroups are past their last dQ matmul (which reads all keys)
+            mbarrier.arrive(k_free, count=1)
+            mbarrier.wait(k_free, 0)
+            k_smem.slice(WG * KEYS, KEYS).store((dk * scale).to(k_smem.dtype))
+            fence_async_shared()
+            triton_hopper._tma_store(DK, [b, h_kv, first_key, 0], _rows_of(k_smem, WG))
+            tma.store_wait(0)  # both read before the program's shared memory goes
 
     # one function per consumer warpgroup, as triton_hopper._softmax_rows_0/_1: a partition's WG is fixed in it
     @gluon.jit
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
-                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
                          qk_scale, scale):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                       qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                        Tk, diag, qk_scale, scale)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
-                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
                          qk_scale, scale):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
-                       qdo_empty, ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                       qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                        Tk, diag, qk_scale, scale)
 
@@ -335,11 +359,13 @@ if gluon is not None:
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
+        mbarrier.init(k_free, count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(qdo_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -349,7 +375,7 @@ if gluon is not None:
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
-                         ds_ready, ds_empty, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                         ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
                          scale * LOG2E, scale)
         gl.warp_specialize([
@@ -368,9 +394,15 @@ def supports(q, k, v, o, do, grads, dense: bool) -> bool:
             and all(t.stride(-1) == 1 for t in (o, *grads)))
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages: int) -> Launched:
+def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, bool]]:
+    """The tiles that can write these gradients: TILES[head_dim], less the staged ones where the copy engine cannot
+    write dk or dv (triton_hopper.tma_can_read's rule; the gradients triton_flash allocates always pass it)."""
+    return [tile for tile in TILES[head_dim] if not tile[1] or triton_hopper.tma_can_read(dk, dv)]
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool]) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
-    float32 from the forward. stages: slots in the Q/dO ring, from TILES. -> Launched: the compiled main kernel and
+    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. -> Launched: the compiled main kernel and
     again(do, q, k, v, o, lse, dq, dk, dv, scale), the same three launches for tensors shaped, strided and aligned
     like these."""
     B, Hq, Tq, D = q.shape
@@ -400,10 +432,17 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
     heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
+    # DK, DV: the gradients, or with a staged tile descriptors of (1, 1, 64, D) blocks swizzled as the K and V rows
+    # they are staged in (templates, re-aimed at each call's tensors)
+    stages, staged = tile
+    dkdv_descs = [rebased(triton_hopper.descriptor(t, KEYS.value, swizzle=D), None) for t in (dk, dv)] if staged else []
+
+    def dkdv(dk, dv):
+        return tuple(rebased(desc, t) for desc, t in zip(dkdv_descs, (dk, dv))) if staged else (dk, dv)
     sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
-    first_main = launch(_attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk, dv,
-                                                  *grad_strides, dq_desc, *sizes_main, scale),
+    first_main = launch(_attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
+                                                  *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale),
                         STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
     sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
     first_finish = launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
@@ -416,7 +455,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, stages
         lse2, delta, dq_acc = buffers()
         first_prepare.again(o, do, lse, lse2, delta, dq_acc, *sizes_prepare)
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
-                         rebased(lse_desc, lse2), rebased(delta_desc, delta), dk, dv, *grad_strides,
+                         rebased(lse_desc, lse2), rebased(delta_desc, delta), *dkdv(dk, dv), *grad_strides,
                          rebased(dq_desc, dq_acc), *sizes_main, scale)
         first_finish.again(dq_acc, dq, *sizes_finish, scale)
     return Launched(first_main.compiled, again)

@@ -1,13 +1,13 @@
 """Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
 (attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
-tile: registers, spills, wgmma (HGMMA) and barrier instructions in the SASS, the copy engine's reductions in the
-PTX, shared memory.
+tile: registers, spills, wgmma (HGMMA) and barrier instructions in the SASS, the copy engine's reductions and
+stores in the PTX, shared memory.
 For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
 change in a new Triton, or a change that makes a kernel spill, fails there.
 
     python -m benchmarks.hopper_build                               # every tile of both head dims
     python -m benchmarks.hopper_build --head_dim 64 --tile 128,3,2 --sass out.sass
-    python -m benchmarks.hopper_build --backward                    # the backward, every STAGES
+    python -m benchmarks.hopper_build --backward                    # the backward, every tile
 
 The causal mask and the grid (persistent or not) are arguments of the launch, not of the build.
 
@@ -62,18 +62,20 @@ def build(head_dim: int, tile: tuple[int, int, int]):
                     dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs), launch_regs)
 
 
-def build_backward(head_dim: int, stages: int):
+def build_backward(head_dim: int, tile: tuple[int, bool]):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
-    passes."""
+    passes; tile: (STAGES, DKDV_STAGED)."""
     hb = triton_hopper_backward
+    stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
     dq_block = (hb.BLOCK_M.value, head_dim // 2)
     dq = f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
+    dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
     signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
-                     do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK="*bf16",
-                     DV="*bf16", **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
-                                                  "stride_dvt"], "i32"),
+                     do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK=dkdv,
+                     DV=dkdv, **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
+                                               "stride_dvt"], "i32"),
                      dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
                                                   "Tk", "diag"], "i32"), scale="fp32")
     return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages), hb.LAUNCH_REGS)
@@ -93,6 +95,7 @@ def report(kernel) -> tuple[dict, str]:
     return dict(registers=number("REG"), stack_bytes=number("STACK"), local_bytes=number("LOCAL"),
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
                 bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
+                tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass
 
@@ -108,7 +111,7 @@ def main(argv=None):
     p.add_argument("--backward", action="store_true", help="the backward (§13) instead of the forward")
     p.add_argument("--head_dim", type=int, choices=[64, 128], default=None, help="default: every one with tiles")
     p.add_argument("--tile", default=None,
-                   help="forward: BLOCK_N,STAGES,CONSUMERS; backward: STAGES (default: every one)")
+                   help="forward: BLOCK_N,STAGES,CONSUMERS; backward: STAGES,DKDV_STAGED (0/1) (default: every one)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
@@ -116,7 +119,7 @@ def main(argv=None):
     table = triton_hopper_backward.TILES if args.backward else triton_hopper.TILES
     for head_dim in [args.head_dim] if args.head_dim else sorted(table):
         if args.backward:
-            tiles = [int(args.tile)] if args.tile else table[head_dim]
+            tiles = [tuple(int(x) for x in args.tile.split(","))] if args.tile else table[head_dim]
         else:  # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES, CONSUMERS)
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in table[head_dim]}))

@@ -223,9 +223,10 @@ def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path):
 def test_train_step_records_the_tuners_choices():
     from benchmarks.train_step import tuner_choices
 
-    log = [dict(kernel="bwd", key=(64, True, torch.bfloat16, 1024, 1024), times_ms={None: 0.30, 2: 0.29, 3: 0.31})]
+    log = [dict(kernel="bwd", key=(64, True, torch.bfloat16, 1024, 1024, ((2, False), (3, True))),
+                times_ms={None: 0.30, (2, False): 0.29, (3, True): 0.31})]
     choices = tuner_choices(log)
-    assert list(choices[0]["times_ms"]) == ["2", "tl", "3"]  # fastest first; None is the `tl` backward
+    assert list(choices[0]["times_ms"]) == ["(2, False)", "tl", "(3, True)"]  # fastest first; None: the `tl` pair
     json.dumps(choices)  # the shape key holds a torch dtype: written as text
 
 

@@ -34,6 +34,16 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     assert not triton_hopper_backward.supports(q, q, q, q, column_strided, grads, dense=True)  # dO by TMA
 
 
+def test_staged_tiles_only_for_gradients_the_copy_engine_writes():
+    dk = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    everything = triton_hopper_backward.TILES[64]
+    assert any(staged for _, staged in everything) and any(not staged for _, staged in everything)
+    assert triton_hopper_backward.tiles(64, dk, dk) == everything
+    # a gradient starting 2 bytes into its buffer: pointers write it, TMA (16-byte aligned starts) cannot
+    shifted = torch.empty(2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 64)
+    assert triton_hopper_backward.tiles(64, dk, shifted) == [tile for tile in everything if not tile[1]]
+
+
 @needs_gluon
 @pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
 def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
@@ -43,10 +53,12 @@ def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == len(triton_hopper_backward.TILES[head_dim]), builds  # one per STAGES
+    assert len(builds) == len(triton_hopper_backward.TILES[head_dim]), builds  # one per tile
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
         assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (_tma_add)
+        staged = built["tile"][1]
+        assert built["tma_stores"] == (4 if staged else 0), built  # dK and dV of each warpgroup, by the copy engine
         if head_dim == 64:
             assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
         else:
@@ -107,7 +119,7 @@ CASES = [  # dtype, causal, B, Hq, Hkv, Tq, Tk
 ]
 
 
-def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
+def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, head_dim, dtype, device="cuda")
     do = torch.randn_like(q)
@@ -115,7 +127,7 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
     o, lse = triton_flash.forward(q, k, v, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
     assert triton_hopper_backward.supports(q, k, v, o, do, grads, dense=True)
-    triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, stages)
+    triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, tile)
     naive = lambda *t: attention(*t, causal, scale, backend="naive")  # noqa: E731
     exact = out_and_grads(naive, q.double(), k.double(), v.double(), do.double())[1:]
     math = out_and_grads(naive, q, k, v, do)[1:]
@@ -126,19 +138,20 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, stages", [(d, s) for d, stage_counts in triton_hopper_backward.TILES.items()
-                                              for s in stage_counts])
+@pytest.mark.parametrize("head_dim, tile", [(d, tile) for d, tiles in triton_hopper_backward.TILES.items()
+                                            for tile in tiles])
 @pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
-def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages):
-    check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, stages)
+def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
+    check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile)
 
 
 @pytest.mark.gpu
-def test_head_groups_cover_every_head(monkeypatch):
+@pytest.mark.parametrize("tile", triton_hopper_backward.TILES[64])
+def test_head_groups_cover_every_head(monkeypatch, tile):
     # 8 (batch, kv head)s with 2 query heads each, 1024 padded rows of hs=64: 512 KB of dQ per kv head; a budget of
     # three makes groups of 3, 3 and 2 (the last one smaller)
     monkeypatch.setattr(triton_hopper_backward, "DQ_GROUP_BYTES", 3 * 2 * 1024 * 64 * 4)
-    check_against_fp64(torch.bfloat16, True, 2, 8, 4, 1000, 1000, 64, 2)
+    check_against_fp64(torch.bfloat16, True, 2, 8, 4, 1000, 1000, 64, tile)
 
 
 @pytest.mark.gpu
