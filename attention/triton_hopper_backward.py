@@ -71,7 +71,7 @@ BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one 
 # STAGES: slots in the Q/dO ring. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers and the
 # build spills (33 stores); a third slot fits in shared memory but spills more and ran 11-15% slower (§13).
 # DKDV_STAGED: dK and dV leave through shared memory by TMA instead of from registers by pointers. It ran 3-10%
-# faster at T=1k (and hs=128 4k) and 3-7% slower at hs=64 from 4k on, where the epilogue is a small part and the
+# faster at T=1k (not at hs=64 without the mask) and at hs=128 4k, and 3-7% slower at hs=64 from 4k on, where the
 # build's schedule of the main loop comes out slower (§13 "dK and dV leave"): so both, and the tuner chooses.
 TILES = {64: [(2, False), (3, False), (3, True)], 128: [(2, False), (2, True)]}
 # a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
