@@ -358,12 +358,13 @@ def test_untuned_launch_takes_the_first_tile_that_fits():
     assert tried == ["big", "small"]
 
 
-def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own(monkeypatch):
+def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own_in_rotating_rounds(monkeypatch):
     # the forward's tiles and the backward's choice between the `tl` and Hopper kernels share this timing: each
     # candidate's first run (a compile, the whole launch path) returns its repeat, the launch a plan makes, which is
     # what do_bench times, after all have compiled, each after running alone for WARMUP_MS (the GPU's clock settles
-    # to the kernel's draw), the first for HEAT_MS more (from an idle GPU's clock). A candidate that does not fit in
-    # shared memory is infinitely slow and never timed.
+    # to the kernel's draw), the very first for HEAT_MS more (from an idle GPU's clock); in ROUNDS rounds, the order
+    # rotating, a candidate's time the median of its rounds. A candidate that does not fit in shared memory is
+    # infinitely slow and never timed.
     def too_big():
         raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
 
@@ -375,15 +376,19 @@ def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own(monkeypatc
             return lambda: name
         return first_run
 
+    measured = {"a": [2.0, 9.0, 3.0], "b": [5.0, 1.0, 6.0]}  # one slow round each: the median ignores it
+
     def do_bench(repeat, warmup, rep, return_mode):
         events.append((repeat(), warmup, rep))
-        return {"a": 2.0, "b": 5.0}[repeat()]
+        return measured[repeat()].pop(0)
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(triton_flash, "ROUNDS", 3)
     times = triton_flash._timed({"a": candidate("a"), "big": too_big, "b": candidate("b")})
-    assert times == {"big": float("inf"), "a": 2.0, "b": 5.0}
+    assert times == {"big": float("inf"), "a": 3.0, "b": 5.0}
     warmup, rep = triton_flash.WARMUP_MS, triton_flash.REP_MS
-    assert events == [("compile", "a"), ("compile", "b"), ("a", warmup + triton_flash.HEAT_MS, rep), ("b", warmup, rep)]
+    assert events == [("compile", "a"), ("compile", "b"), ("a", warmup + triton_flash.HEAT_MS, rep), ("b", warmup, rep),
+                      ("b", warmup, rep), ("a", warmup, rep), ("a", warmup, rep), ("b", warmup, rep)]
 
 
 @pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
