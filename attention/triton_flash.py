@@ -220,7 +220,7 @@ def _timed(first_runs: dict) -> dict:
             times[choice] = float("inf")
     choices = list(again)
     rounds = {choice: [] for choice in choices}
-    for r in range(ROUNDS):
+    for r in range(ROUNDS if choices else 0):  # none left when nothing fits
         for i, choice in enumerate(choices[r % len(choices):] + choices[:r % len(choices)]):
             warmup = WARMUP_MS + (HEAT_MS if r == i == 0 else 0)
             rounds[choice].append(triton.testing.do_bench(again[choice], warmup=warmup, rep=REP_MS,

@@ -389,6 +389,7 @@ def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own_in_rotatin
     warmup, rep = triton_flash.WARMUP_MS, triton_flash.REP_MS
     assert events == [("compile", "a"), ("compile", "b"), ("a", warmup + triton_flash.HEAT_MS, rep), ("b", warmup, rep),
                       ("b", warmup, rep), ("a", warmup, rep), ("a", warmup, rep), ("b", warmup, rep)]
+    assert triton_flash._timed({"big": too_big}) == {"big": float("inf")}  # nothing fits: nothing to time
 
 
 @pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
