@@ -118,9 +118,15 @@ class _TuningKey(NamedTuple):
     Tk_bucket: int
 
 
-def _backward_key(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int, tiles: list) -> tuple:
-    """The key of the backward's choice on Hopper (_backward_choice), among these candidate tiles."""
-    return head_dim, causal, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk), tuple(tiles)
+class _BackwardKey(NamedTuple):
+    """The key of the backward's choice on Hopper (_backward_choice): the sizes, as _TuningKey buckets them, and the
+    Hopper kernel's candidate tiles (its staged ones only where TMA can write the gradients)."""
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype
+    Tq_bucket: int
+    Tk_bucket: int
+    tiles: tuple
 
 
 # tuning key -> fastest tile
@@ -897,7 +903,8 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         tiles = triton_hopper_backward.tiles(D, dk, dv)
         tile = _backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
-                                tiles, _backward_key(D, causal, q.dtype, Tq, Tk, tiles),
+                                tiles, _BackwardKey(D, causal, q.dtype, triton.next_power_of_2(Tq),
+                                                    triton.next_power_of_2(Tk), tuple(tiles)),
                                 (do, q, k, v, o, lse, dq, dk, dv, scale))
         if tile is not None:
             return hopper(tile).again
@@ -905,7 +912,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
 
 
 # tuning key -> the backward's choice on Hopper: None (the `tl` kernels) or the Hopper kernel's tile
-_best_backward: dict[tuple, tuple | None] = {}
+_best_backward: dict[_BackwardKey, tuple | None] = {}
 
 
 def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> dict:
@@ -923,8 +930,8 @@ def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: 
                 and all(constants.get(name) == value for name, value in dense.items())):
             found[key.kernel] = choice
     for key, choice in _best_backward.items():
-        if key[:5] == (head_dim, causal, dtype, *buckets):  # whichever candidate tiles (_backward_key)
-            found["bwd"] = choice
+        if (key.head_dim, key.causal, key.dtype, key.Tq_bucket, key.Tk_bucket) == (head_dim, causal, dtype, *buckets):
+            found["bwd"] = choice  # whichever candidate tiles
     return found
 
 

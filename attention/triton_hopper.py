@@ -74,6 +74,15 @@ if gluon is not None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
+    @triton.constexpr_function
+    def _o_staged(q_buffers, consumers, stages, block_n, head_dim):
+        """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K/V
+        ring, 16-bit elements; not at hs=128 with 128-key tiles in 3 stages: there the consumers store O from
+        registers, and the tile still measured fastest at T >= 4k. _attn_fwd_ws allocates by it and _softmax_rows
+        stores by it."""
+        rows = (q_buffers + 1) * consumers * ROWS + 2 * stages * block_n
+        return rows * head_dim * 2 <= SHARED_BYTES
+
     @gluon.jit
     def _items(n_work, per_turn):
         """How many work items this program takes: per turn `per_turn` consecutive ones, program p taking turns p,
@@ -158,8 +167,7 @@ if gluon is not None:
         Q_BUFFERS: gl.constexpr = q_ready.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-        # as _attn_fwd_ws decides: O through shared memory where staging tiles fit beside Q and the ring
-        O_STAGED: gl.constexpr = ((Q_BUFFERS + 1) * BLOCK_M + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2 <= SHARED_BYTES
+        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, STAGES, BLOCK_N, HEAD_DIM)  # as _attn_fwd_ws allocated
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -305,10 +313,8 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        # O's staging tiles, one per consumer, where they fit (not at hs=128 with 128-key tiles in 3 stages: there
-        # the consumers store O from registers, and the tile still measured fastest at T >= 4k)
-        staged_bytes: gl.constexpr = ((Q_BUFFERS + 1) * CONSUMERS * ROWS + 2 * STAGES * BLOCK_N) * HEAD_DIM * 2
-        O_STAGED: gl.constexpr = staged_bytes <= SHARED_BYTES
+        # O's staging tiles, one per consumer, where they fit (_o_staged)
+        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, STAGES, BLOCK_N, HEAD_DIM)
         if O_STAGED:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
         else:

@@ -13,6 +13,7 @@ import triton
 from test_triton import ROOT, assert_matches_fp64, assert_qkvpacked_matches_fp64, qkv
 
 from attention import triton_flash, triton_hopper
+from benchmarks.hopper_build import forward_build
 
 needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
 
@@ -53,7 +54,7 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     # a build per (BLOCK_N, STAGES, CONSUMERS): the grid (persistent or not) is the launch's
-    assert len(builds) == len({(n, stages, wgs) for n, stages, _, wgs in triton_hopper.TILES[head_dim]}), builds
+    assert len(builds) == len({forward_build(tile) for tile in triton_hopper.TILES[head_dim]}), builds
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
         # The tiles were chosen on the GPU box's Triton 3.6, which builds the two-consumer ones without spills, and
