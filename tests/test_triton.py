@@ -342,6 +342,10 @@ def test_tuned_choices_name_the_kernels_a_call_of_those_sizes_ran(monkeypatch):
     assert triton_flash.tuned_choices(24, True, torch.float32, 40, 40) == {}
     attention(q, k, v, causal=True, window=(16, 0), backend="triton").sum().backward()  # a window: another key
     assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == choices
+    # the Hopper backward's choice (only on an H100/H200), whichever its candidate tiles were
+    triton_flash._best_backward[triton_flash._BackwardKey(24, True, torch.float16, 64, 64, ((2, False),))] = (2, False)
+    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == {**choices, "bwd": (2, False)}
+    assert "bwd" not in triton_flash.tuned_choices(24, False, torch.float16, 40, 40)
 
 
 def test_untuned_launch_takes_the_first_tile_that_fits():
