@@ -156,6 +156,16 @@ if gluon is not None:
         return gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
 
     @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale):
+        """§2 the online softmax over one key tile's scores s (ROWS, N), as in triton_flash._fwd_tile: -> P, alpha
+        (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
+        p = gl.exp2(s * qk_scale - m_ref[:, None])
+        alpha = gl.exp2(m_i - m_ref)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
     def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem,
                       O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
@@ -175,11 +185,22 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory:
         # with both operands there, a 64-key tile asks shared memory for all the bytes per clock it has. Measured
         # +1-4% at hs=128; -1-3% at hs=64, where the softmax, not shared memory, is the busier unit (perf notes).
         Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
+        # first warpgroup's rows) taken by that half only: S of N/2 columns, the same rows in each thread. Measured
+        # +1.5-2% at hs=64 causal T=1k with two consumers; with three, and at hs=128, the builds' main loops came out
+        # of ptxas slower (-2% to -6%): there the tile is taken whole (perf notes, "half a tile")
+        HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HALF_N, 16])
+        half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
+        half_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=half_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
         for item in range(_items(n_work, per_turn)):
             bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
@@ -191,6 +212,10 @@ if gluon is not None:
             n_mine = gl.where(first_row < Tq,
                               gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1), 1)
             mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
+            # key tiles taken whole: all but a last one of which no row sees past the first half (and not tile 0),
+            # where HALF_TILES
+            last_seen = gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) - (n_mine - 1) * BLOCK_N  # in the last tile
+            n_full = gl.where(HALF_TILES & (n_mine > 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
             buffer = item % Q_BUFFERS
             mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
             if Q_IN_REGISTERS:
@@ -215,7 +240,7 @@ if gluon is not None:
             l_i = gl.sum(p, 1)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-            for j in range(1, n_mine):
+            for j in range(1, n_full):
                 prev = slot
                 slot = (seen_tiles + j) % STAGES
                 mbarrier.wait(kv_ready.index(slot), ((seen_tiles + j) // STAGES) & 1)
@@ -226,23 +251,47 @@ if gluon is not None:
                 s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
                 if (j + 1) * BLOCK_N > mask_from:
                     s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
-                # §2 online softmax, as in triton_flash._fwd_tile
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
-                p = gl.exp2(s * qk_scale - m_ref[:, None])
-                alpha = gl.exp2(m_i - m_ref)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
                 # other warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            if not Q_IN_REGISTERS:
-                mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-            o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
-                                    is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[o_token])
+            if HALF_TILES and n_full < n_mine:
+                # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
+                # tile of the first warpgroup's rows): S and P V over its first half only (§12 "half a tile")
+                prev = slot
+                slot = (seen_tiles + n_full) % STAGES
+                mbarrier.wait(kv_ready.index(slot), ((seen_tiles + n_full) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+                k_half = k_smem.index(slot).slice(0, HALF_N)  # (N/2, D)
+                if Q_IN_REGISTERS:
+                    q_half = gl.convert_layout(q, half_operand)
+                else:
+                    q_half = q
+                half_token = warpgroup_mma(q_half, k_half.permute((1, 0)),
+                                           gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
+                                           is_async=True)
+                o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                s_half = warpgroup_mma_wait(1, deps=[half_token])
+                s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tk, half_layout)
+                p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
+                                                              gl.convert_layout(l_i, half_rows), qk_scale)
+                m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
+                acc = warpgroup_mma_wait(0, deps=[o_token])
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                if not Q_IN_REGISTERS:
+                    mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+                o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
+                                        v_smem.index(slot).slice(0, HALF_N), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[o_token])  # in each branch: ptxas serializes every wgmma of
+            else:  # the kernel when one is in flight across the branches' join
+                if not Q_IN_REGISTERS:
+                    mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+                o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
+                                        is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(kv_empty.index(slot), count=1)
             for j in range(n_mine, n_tiles):  # tiles only the other warpgroups' rows see: release them unread
                 mbarrier.wait(kv_ready.index((seen_tiles + j) % STAGES), ((seen_tiles + j) // STAGES) & 1)

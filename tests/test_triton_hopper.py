@@ -120,19 +120,36 @@ def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
     # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl`
     # kernel's. 4 x 8 heads x 8 query tiles of 128 rows (6 of 192) = 256 (192) work items: a persistent program
     # walks a pair (an H100 or H200 has 132 SMs), so the barrier phases carry over from one item to the next.
+    assert_tile_matches_fp64(monkeypatch, tile, causal, 4, 8, 2, 1000, 1000, D)
+
+
+def assert_tile_matches_fp64(monkeypatch, tile, causal, B, Hq, Hkv, Tq, Tk, D):
+    """The forward with this tile on fresh bf16 inputs: O against float64 (within twice PyTorch's own error), lse
+    against float64 (within twice the `tl` kernel's)."""
     torch.manual_seed(0)
-    q, k, v = qkv(4, 8, 2, 1000, 1000, D, torch.bfloat16, device="cuda")
-    o, lse = triton_flash.empty_bthd(4, 8, 1000, D, q), torch.empty(4, 8, 1000, device="cuda")
+    q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, torch.bfloat16, device="cuda")
+    o, lse = triton_flash.empty_bthd(B, Hq, Tq, D, q), torch.empty(B, Hq, Tq, device="cuda")
     triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
-    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
+    # §6 the causal mask aligned to the last key (row i sees keys <= i + Tk - Tq)
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device="cuda").tril(Tk - Tq) if causal else None
+    exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                              enable_gqa=True)
-    math = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    math = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (o.double() - exact).abs().max() <= 2 * (math.double() - exact).abs().max() + 1e-5
     monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     lse_tl = triton_flash.forward(q, k, v, causal, D ** -0.5)[1]
     lse_exact = exact_lse(q, k, causal)
     assert (lse.double() - lse_exact).abs().max() <= 2 * (lse_tl.double() - lse_exact).abs().max() + 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_last_key_tile_taken_by_half(monkeypatch, D, tile, causal):
+    # 1050 keys: the last key tile holds 26, fewer than half its width, so two-consumer tiles at hs=64 take its first
+    # half only (_softmax_rows' HALF_TILES); under the causal mask with Tq < Tk (diag 350) rows end at other offsets
+    assert_tile_matches_fp64(monkeypatch, tile, causal, 2, 8, 2, 700, 1050, D)
 
 
 @pytest.mark.gpu
