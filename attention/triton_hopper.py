@@ -193,8 +193,8 @@ if gluon is not None:
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
         # first warpgroup's rows) taken by that half only: S of N/2 columns, the same rows in each thread. Measured
-        # +1.5-2% at hs=64 causal T=1k with two consumers; with three, and at hs=128, the builds' main loops came out
-        # of ptxas slower (-2% to -6%): there the tile is taken whole (perf notes, "half a tile")
+        # +1-2% at hs=64 causal T=1k with two consumers; with three, and at hs=128, the builds' main loops came out
+        # of ptxas slower (-2% to -6%): there the tile is taken whole (§12 "Half a tile at the diagonal")
         HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
         HALF_N: gl.constexpr = BLOCK_N // 2
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -259,7 +259,7 @@ if gluon is not None:
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             if HALF_TILES and n_full < n_mine:
                 # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
-                # tile of the first warpgroup's rows): S and P V over its first half only (§12 "half a tile")
+                # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile")
                 prev = slot
                 slot = (seen_tiles + n_full) % STAGES
                 mbarrier.wait(kv_ready.index(slot), ((seen_tiles + n_full) // STAGES) & 1)
