@@ -194,13 +194,13 @@ if gluon is not None:
         # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
         # first warpgroup's rows) taken by that half only: S of N/2 columns, the same rows in each thread. Measured
         # +1-2% at hs=64 causal T=1k with two consumers; with three, and at hs=128, the builds' main loops came out
-        # of ptxas slower (-2% to -6%): there the tile is taken whole (§12 "Half a tile at the diagonal")
+        # of ptxas slower (-2% to -6%): there the tile is taken whole (§12 "Half a tile at the diagonal"). So where
+        # the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
         HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
         HALF_N: gl.constexpr = BLOCK_N // 2
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, HALF_N, 16])
         half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
-        half_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=half_layout, k_width=2)
         seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
         for item in range(_items(n_work, per_turn)):
             bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
@@ -257,6 +257,8 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            # each branch waits for its last P V itself: with a wgmma in flight across the join, ptxas serializes
+            # every wgmma of the kernel
             if HALF_TILES and n_full < n_mine:
                 # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
                 # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile")
@@ -265,11 +267,7 @@ if gluon is not None:
                 mbarrier.wait(kv_ready.index(slot), ((seen_tiles + n_full) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
                 k_half = k_smem.index(slot).slice(0, HALF_N)  # (N/2, D)
-                if Q_IN_REGISTERS:
-                    q_half = gl.convert_layout(q, half_operand)
-                else:
-                    q_half = q
-                half_token = warpgroup_mma(q_half, k_half.permute((1, 0)),
+                half_token = warpgroup_mma(q, k_half.permute((1, 0)),
                                            gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
                                            is_async=True)
                 o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
@@ -281,12 +279,11 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(kv_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                if not Q_IN_REGISTERS:
-                    mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+                mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
                 o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
                                         v_smem.index(slot).slice(0, HALF_N), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[o_token])  # in each branch: ptxas serializes every wgmma of
-            else:  # the kernel when one is in flight across the branches' join
+                acc = warpgroup_mma_wait(0, deps=[o_token])
+            else:
                 if not Q_IN_REGISTERS:
                     mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
                 o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
