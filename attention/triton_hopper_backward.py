@@ -11,10 +11,11 @@ a pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and
                       TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
   _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
                       dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
-                      dS^T into shared memory, and each computes half of dQ's columns from all 128 keys:
-                      dQ[:, half] = dS K[:, half] (at hs=128, warpgroup 1 one tile late), stored to a staging tile
-                      in shared memory that the copy engine adds into the float32 buffer (a TMA reduce, _tma_add)
-                      while the warpgroup goes on.
+                      dS^T into shared memory, and dQ = dS K over all 128 keys follows: at hs=64 the warpgroups take
+                      turns, one computing the whole of dQ for even query tiles, the other for odd ones; at hs=128
+                      each computes half of dQ's columns, dQ[:, half] = dS K[:, half], of every tile (warpgroup 1
+                      one tile late). The result goes to a staging tile in shared memory that the copy engine adds
+                      into the float32 buffer (a TMA reduce, _tma_add) while the warpgroup goes on.
 
 Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
 tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
@@ -28,9 +29,11 @@ Synchronisation, with mbarriers (a phase bit flips each time the expected arriva
   kv_ready            the copy engine arrives when the program's K and V are in;
   qdo_ready[s]        the same for the query tile in ring slot s (Q, dO, lse, Delta);
   qdo_empty[s]        count 2: each consumer arrives when its matmuls reading Q and dO of slot s are done;
-  ds_ready[b], ds_empty[b]  count 2 each: dS^T buffer b (of two) is whole (both halves stored), and free again
-                      (both dQ matmuls that read it are done). The consumers meet there once per query tile; at
-                      hs=128 warpgroup 1 reads the buffer of the tile before, so it seldom waits there.
+  ds_ready[b]         count 2: dS^T buffer b (of two) is whole, both halves stored;
+  ds_empty[b]         count 1 (hs=64) or 2: buffer b is free again, the dQ matmuls that read it done. Only a
+                      warpgroup computing dQ waits for the other's half: at hs=64 the one whose turn it is (buffer
+                      b holds its tiles: b == WG), so the consumers meet every other tile, each waiting in turn; at
+                      hs=128 both, but warpgroup 1 reads the buffer of the tile before, so it seldom waits there.
   k_free              count 2: both consumers are past their last dQ matmul, so K's rows may take dK (a staged
                       tile's epilogue: dK and dV leave by TMA through the rows K and V took).
 The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
@@ -182,36 +185,36 @@ if gluon is not None:
             triton_hopper._tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
 
     @gluon.jit
-    def _dq_half(u, ds_smem, k_half, ds_ready):
-        """Issue dQ[:, half] = dS K[:, half] (M, D/2) of query tile u once both halves of its dS^T are in buffer u % 2;
-        -> the wgmma's token."""
-        HALF: gl.constexpr = k_half.shape[1]
+    def _dq_cols(u, ds_smem, k_cols, ds_ready):
+        """Issue dQ[:, cols] = dS K[:, cols] (M, C) of query tile u, k_cols being K's (N, C) columns cols, once both
+        halves of its dS^T are in buffer u % 2; -> the wgmma's token."""
+        COLS: gl.constexpr = k_cols.shape[1]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF, 16])  # 4 warps along the rows
+                                                            instr_shape=[16, COLS, 16])  # 4 warps along the rows
         mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
-        return warpgroup_mma(ds_smem.index(u % 2).permute((1, 0)), k_half,
-                             gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout), use_acc=False, is_async=True)
+        return warpgroup_mma(ds_smem.index(u % 2).permute((1, 0)), k_cols,
+                             gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
 
     @gluon.jit
-    def _add_dq_half(WG: gl.constexpr, u, dq, ds_empty, dq_desc, dq_smem, bh, start_m, Tq_pad):
-        """Query tile u's dQ[:, half] done: free its dS^T buffer, and have the copy engine add dq into the float32
-        buffer's rows of query head bh from a staging tile. A warpgroup has STAGING of them (_attn_bwd_ws), used in
-        turn: the one this tile takes is free once at most STAGING - 1 reductions still read theirs."""
+    def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, dq_desc, dq_smem, bh, start_m, Tq_pad):
+        """Query tile u's dQ[:, first_col:] done, the warpgroup's n-th: free its dS^T buffer, and have the copy engine
+        add dq into the float32 buffer's rows of query head bh from a staging tile. A warpgroup has STAGING of them
+        (_attn_bwd_ws), used in turn: the n-th is free once at most STAGING - 1 reductions still read theirs."""
         STAGING: gl.constexpr = dq_smem.shape[0] // 2
         mbarrier.arrive(ds_empty.index(u % 2), count=1)
-        staging = dq_smem.index(WG * STAGING + u % STAGING)  # (M, D/2)
+        staging = dq_smem.index(WG * STAGING + n % STAGING)  # (M, C)
         tma.store_wait(STAGING - 1)
         staging.store(dq)
         fence_async_shared()  # the stores, visible to the copy engine
-        _tma_add(dq_desc, [bh * Tq_pad + start_m, WG * dq.shape[1]], staging)
+        _tma_add(dq_desc, [bh * Tq_pad + start_m, first_col], staging)
 
     @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                        stride_dvb, stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group,
                        Tq, Tq_pad, Tk, diag, qk_scale, scale):
-        """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its half of each query tile's dQ
-        columns."""
+        """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
+        of every other query tile's, at hs=128 half of each tile's columns."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
@@ -228,7 +231,14 @@ if gluon is not None:
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
         v_mine = v_smem.slice(WG * KEYS, KEYS)
-        k_half = k_smem.slice(WG * HALF, HALF, dim=1)  # (N, D/2): all keys, this warpgroup's dQ columns
+        # dQ = dS K over all 128 keys, so both halves of dS^T first. hs=64: the warpgroups take turns, each computing
+        # the whole (M, D) of the query tiles in its dS^T buffer (t % 2 == WG), and on the others going on without
+        # waiting: 3-8% faster than halves of every tile, with dQ's wgmma N=64 wide instead of 32 (§13 "dQ in
+        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 9-13% slower
+        # (whole (M, 128) blocks: 64 KB of staging, 230 KB of shared memory in all)
+        TURNS: gl.constexpr = HEAD_DIM == 64
+        k_dq = k_smem if TURNS else k_smem.slice(WG * HALF, HALF, dim=1)  # (N, D or D/2): all keys
+        dq_col = 0 if TURNS else WG * HALF  # the first of this warpgroup's dQ columns
         first_key = start_n + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))  # (KEYS,)
         rows_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # (M,)
@@ -264,9 +274,10 @@ if gluon is not None:
             dst = (pt * (dpt - delta[None, :])).to(q_smem.dtype)  # §5 dS^T
             dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
-            # dQ: both halves of dS^T in shared memory, then dQ[:, half] = dS K[:, half] over all 128 keys, of
-            # query tile u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are usually
-            # in already, so that it seldom waits for warpgroup 0 and the two run out of step
+            # dQ: both halves of dS^T in shared memory, then this warpgroup's part of dQ (k_dq above) of query tile
+            # u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are usually in already, so
+            # that it seldom waits for warpgroup 0 and the two run out of step. At hs=64 a warpgroup whose turn it is
+            # not goes on without waiting for the other's half
             mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
             # the stores, visible to the other warpgroup's wgmma before it reads them; the fence also orders this
@@ -274,21 +285,27 @@ if gluon is not None:
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             u = t - WG * LAG
-            if u >= 0:
-                dq_token = _dq_half(u, ds_smem, k_half, ds_ready)
+            if TURNS:
+                takes_dq = buf == WG
+                n_dq = t // 2  # this warpgroup's dQ blocks before this one
+            else:
+                takes_dq = u >= 0
+                n_dq = u
+            if takes_dq:
+                dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
                 bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
-            else:  # warpgroup 1's first tile at hs=128
+                _add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
+            else:  # not this warpgroup's turn (hs=64), or warpgroup 1's first tile at hs=128
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)
         if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
             if n_tiles > 0:
                 u = n_tiles - 1
-                dq = warpgroup_mma_wait(0, deps=[_dq_half(u, ds_smem, k_half, ds_ready)])
+                dq = warpgroup_mma_wait(0, deps=[_dq_cols(u, ds_smem, k_dq, ds_ready)])
                 bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-                _add_dq_half(WG, u, dq, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
+                _add_dq_cols(WG, u, u, dq, dq_col, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
@@ -351,11 +368,13 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
-        # dQ staging: STAGING (M, D/2) float32 tiles per consumer warpgroup, laid out as the copy engine reads them.
-        # Two at hs=64, so that a reduction runs on while the next tile's dQ is staged; one at hs=128, where the
-        # 32 KB less measured 4-7% faster and the spilled scalars' L1 hit rate rose from 87% to 98% (§13)
+        # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds (dq_cols_block), laid out as
+        # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged (1-5%
+        # faster than one at T >= 4k); one at hs=128, where the 32 KB less measured 4-7% faster and the spilled
+        # scalars' L1 hit rate rose from 87% to 98% (§13)
         STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, dq_desc.block_type.shape[1]],
+                                            dq_desc.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -371,7 +390,8 @@ if gluon is not None:
             mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
-            mbarrier.init(ds_empty.index(i), count=2)
+            # the warpgroups that read a dS^T buffer for dQ: at hs=64 the one whose turn it is
+            mbarrier.init(ds_empty.index(i), count=1 if HEAD_DIM == 64 else 2)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
@@ -400,6 +420,12 @@ def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, 
     return [tile for tile in TILES[head_dim] if not tile[1] or triton_hopper.tma_can_read(dk, dv)]
 
 
+def dq_cols_block(head_dim: int) -> tuple[int, int]:
+    """The block of the float32 dQ buffer a consumer warpgroup adds at once (_key_gradients' TURNS): (M, D) at
+    hs=64, where the warpgroups take turns, (M, D/2) at hs=128, where each adds half of the columns."""
+    return BLOCK_M.value, head_dim if head_dim == 64 else head_dim // 2
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool]) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. -> Launched: the compiled main kernel and
@@ -425,7 +451,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT) for t in (lse2, delta))
     # the float32 dQ buffer's rows, added into by (M, D/2) blocks (one per consumer warpgroup)
-    dq_block = (BLOCK_M.value, D // 2)
+    dq_block = dq_cols_block(D)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
                                triton_hopper.shared_layout(dq_block, torch.float32))
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2

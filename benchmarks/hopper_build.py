@@ -69,7 +69,7 @@ def build_backward(head_dim: int, tile: tuple[int, bool]):
     stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
-    dq_block = (hb.BLOCK_M.value, head_dim // 2)
+    dq_block = hb.dq_cols_block(head_dim)
     dq = f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
     dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
     signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
