@@ -234,7 +234,7 @@ if gluon is not None:
         # dQ = dS K over all 128 keys, so both halves of dS^T first. hs=64: the warpgroups take turns, each computing
         # the whole (M, D) of the query tiles in its dS^T buffer (t % 2 == WG), and on the others going on without
         # waiting: 3-8% faster than halves of every tile, with dQ's wgmma N=64 wide instead of 32 (§13 "dQ in
-        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 9-13% slower
+        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 11-13% slower
         # (whole (M, 128) blocks: 64 KB of staging, 230 KB of shared memory in all)
         TURNS: gl.constexpr = HEAD_DIM == 64
         k_dq = k_smem if TURNS else k_smem.slice(WG * HALF, HALF, dim=1)  # (N, D or D/2): all keys
