@@ -218,8 +218,8 @@ if gluon is not None:
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
-        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13); at hs=64, best stage count
-        # against best, that measured -2% to +1%: off there
+        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13); at hs=64 the turns (below)
+        # already spare each warpgroup every other meeting
         LAG: gl.constexpr = 0 if HEAD_DIM == 64 else 1
         # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D)
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -369,8 +369,8 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
         # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds (dq_cols_block), laid out as
-        # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged (1-5%
-        # faster than one at T >= 4k); one at hs=128, where the 32 KB less measured 4-7% faster and the spilled
+        # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged (up to 4%
+        # faster than one); one at hs=128, where the 32 KB less measured 4-7% faster and the spilled
         # scalars' L1 hit rate rose from 87% to 98% (§13)
         STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, dq_desc.block_type.shape[1]],
@@ -450,7 +450,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT) for t in (lse2, delta))
-    # the float32 dQ buffer's rows, added into by (M, D/2) blocks (one per consumer warpgroup)
+    # the float32 dQ buffer's rows, added into by dq_cols_block blocks
     dq_block = dq_cols_block(D)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
                                triton_hopper.shared_layout(dq_block, torch.float32))
