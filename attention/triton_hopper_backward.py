@@ -218,9 +218,16 @@ if gluon is not None:
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
-        # at hs=128 warpgroup 1 computes each query tile's dQ half one tile late (§13); at hs=64 the turns (below)
-        # already spare each warpgroup every other meeting
-        LAG: gl.constexpr = 0 if HEAD_DIM == 64 else 1
+        # dQ = dS K over all 128 keys, so both halves of dS^T first. hs=64: the warpgroups take turns, each computing
+        # the whole (M, D) of the query tiles in its dS^T buffer (t % 2 == WG), and on the others going on without
+        # waiting: 3-8% faster than halves of every tile, with dQ's wgmma N=64 wide instead of 32 (§13 "dQ in
+        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 11-13% slower
+        # (whole (M, 128) blocks: 64 KB of staging, 230 KB of shared memory in all). Which one, dq_cols_block decides
+        # (the staging tiles' width)
+        TURNS: gl.constexpr = dq_smem.shape[2] == HEAD_DIM
+        # without turns warpgroup 1 computes each query tile's dQ half one tile late (§13); with them each
+        # warpgroup already skips every other meeting
+        LAG: gl.constexpr = 0 if TURNS else 1
         # wgmma accumulators: 4 warps stacked along the rows; S^T and dP^T are (KEYS, M), dK and dV (KEYS, D)
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
@@ -231,12 +238,6 @@ if gluon is not None:
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
         v_mine = v_smem.slice(WG * KEYS, KEYS)
-        # dQ = dS K over all 128 keys, so both halves of dS^T first. hs=64: the warpgroups take turns, each computing
-        # the whole (M, D) of the query tiles in its dS^T buffer (t % 2 == WG), and on the others going on without
-        # waiting: 3-8% faster than halves of every tile, with dQ's wgmma N=64 wide instead of 32 (§13 "dQ in
-        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 11-13% slower
-        # (whole (M, 128) blocks: 64 KB of staging, 230 KB of shared memory in all)
-        TURNS: gl.constexpr = HEAD_DIM == 64
         k_dq = k_smem if TURNS else k_smem.slice(WG * HALF, HALF, dim=1)  # (N, D or D/2): all keys
         dq_col = 0 if TURNS else WG * HALF  # the first of this warpgroup's dQ columns
         first_key = start_n + WG * KEYS
@@ -390,8 +391,8 @@ if gluon is not None:
             mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
-            # the warpgroups that read a dS^T buffer for dQ: at hs=64 the one whose turn it is
-            mbarrier.init(ds_empty.index(i), count=1 if HEAD_DIM == 64 else 2)
+            # the warpgroups that read a dS^T buffer for dQ: in turns (whole-width dQ blocks) the one whose turn it is
+            mbarrier.init(ds_empty.index(i), count=1 if dq_desc.block_type.shape[1] == HEAD_DIM else 2)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
@@ -421,8 +422,9 @@ def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, 
 
 
 def dq_cols_block(head_dim: int) -> tuple[int, int]:
-    """The block of the float32 dQ buffer a consumer warpgroup adds at once (_key_gradients' TURNS): (M, D) at
-    hs=64, where the warpgroups take turns, (M, D/2) at hs=128, where each adds half of the columns."""
+    """The block of the float32 dQ buffer a consumer warpgroup adds at once, and so whether the warpgroups take
+    turns (_key_gradients' TURNS): (M, D) at hs=64, where they do, (M, D/2) at hs=128, where each adds half of the
+    columns of every tile."""
     return BLOCK_M.value, head_dim if head_dim == 64 else head_dim // 2
 
 
