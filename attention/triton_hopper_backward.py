@@ -83,11 +83,12 @@ DQ_GROUP_BYTES = 8 << 20
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def _attn_bwd_prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
-                      stride_dot, H, Tq, Tq_pad, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse in base 2
-    (§8), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no row mask); and the row's
-    float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds."""
+def _attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+                      stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse * lse_unit,
+    the lse in the units the kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0
+    there and the kernel needs no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the
+    kernel's adds."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
@@ -100,7 +101,7 @@ def _attn_bwd_prepare(O, DO, LSE, LSE2, DELTA, DQ_ACC, stride_ob, stride_oh, str
     lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
     row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
     tl.store(DELTA + row_index, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1))
-    tl.store(LSE2 + row_index, lse * LOG2E)
+    tl.store(LSE_ROW + row_index, lse * lse_unit)
     tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
 
 
@@ -212,9 +213,10 @@ if gluon is not None:
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                        stride_dvb, stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group,
-                       Tq, Tq_pad, Tk, diag, qk_scale, scale):
+                       Tq, Tq_pad, Tk, diag, qk_scale, scale, ROWS_FIRST: gl.constexpr):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
-        of every other query tile's, at hs=128 half of each tile's columns."""
+        of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
+        row values (row_values_first)."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         HALF: gl.constexpr = HEAD_DIM // 2
@@ -234,6 +236,7 @@ if gluon is not None:
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
+        row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a value per column of S^T: per query row
         bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
@@ -242,7 +245,7 @@ if gluon is not None:
         dq_col = 0 if TURNS else WG * HALF  # the first of this warpgroup's dQ columns
         first_key = start_n + WG * KEYS
         keys = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, st_layout))  # (KEYS,)
-        rows_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # (M,)
+        rows_m = gl.arange(0, BLOCK_M, layout=row_layout)  # (M,)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
         mbarrier.wait(kv_ready, 0)
@@ -254,25 +257,35 @@ if gluon is not None:
             buf = t % 2
             start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
             mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
-            lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,) base-2 lse, a column of S^T each
+            lse_row = lse_smem.index(slot).load(row_layout)  # (M,) lse in S^T's units or in base 2; +inf in padding
             q = q_smem.index(slot)  # (M, D)
             do = do_smem.index(slot)
-            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout),
-                                     use_acc=False, is_async=True)
-            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout),
-                                      use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M); dP^T may still be running
+            zeros = gl.zeros([KEYS, BLOCK_M], gl.float32, st_layout)
+            # with ROWS_FIRST (hs=128) S^T and dP^T start from -lse / scale and -Delta instead of zero and come out
+            # with them subtracted: the (M,) values are spent before the wgmmas are issued, and take no registers
+            # over the exp2s and dS, where the consumer's registers peak (row_values_first)
+            if ROWS_FIRST:
+                delta = delta_smem.index(slot).load(row_layout)  # (M,)
+                st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros - lse_row[None, :], is_async=True)
+                dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros - delta[None, :], is_async=True)
+            else:
+                st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+                dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
             # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it
             if first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1):
                 last_key = gl.minimum(start_m + rows_m + diag, Tk - 1)  # (M,)
                 st = gl.where(keys[:, None] <= last_key[None, :], st, float("-inf"))
-            pt = gl.exp2(st * qk_scale - lse2[None, :])  # §8 P^T; 0 in padding rows (lse +inf)
+            # §8 P^T = exp(scale * S^T - lse); 0 in padding rows (lse +inf)
+            pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
             pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
             dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
-            # loaded here, not with lse: at hs=128 holding it over the exp2s spilled scalars in the loop
-            delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))  # (M,)
-            dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T (KEYS, M); dV may still be running
-            dst = (pt * (dpt - delta[None, :])).to(q_smem.dtype)  # §5 dS^T
+            if ROWS_FIRST:
+                dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
+            else:  # Delta loaded here, not with lse: held over the exp2s it pushed scalars out (§13)
+                delta = delta_smem.index(slot).load(row_layout)  # (M,)
+                dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
+            dst = (pt * dpt).to(q_smem.dtype)  # §5 dS^T
             dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
             # dQ: both halves of dS^T in shared memory, then this warpgroup's part of dQ (k_dq above) of query tile
@@ -336,26 +349,26 @@ if gluon is not None:
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale):
+                         qk_scale, scale, ROWS_FIRST: gl.constexpr):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale)
+                       Tk, diag, qk_scale, scale, ROWS_FIRST)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale):
+                         qk_scale, scale, ROWS_FIRST: gl.constexpr):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale)
+                       Tk, diag, qk_scale, scale, ROWS_FIRST)
 
     @gluon.jit
     def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                      stride_dvb, stride_dvh, stride_dvt, dq_desc, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, scale, STAGES: gl.constexpr):
+                     Tk, diag, scale, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
         """Shared memory and barriers, then the split into the producer and the two consumers (module docstring)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -398,7 +411,7 @@ if gluon is not None:
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         scale * LOG2E, scale)
+                         scale * LOG2E, scale, ROWS_FIRST)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
@@ -421,6 +434,14 @@ def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, 
     return [tile for tile in TILES[head_dim] if not tile[1] or triton_hopper.tma_can_read(dk, dv)]
 
 
+def row_values_first(head_dim: int) -> bool:
+    """Whether the consumers' S^T and dP^T wgmmas start from -lse / scale and -Delta instead of zero (_key_gradients'
+    ROWS_FIRST, §13 "The row values in the accumulators"): at hs=128, where those (M,) values held in registers over
+    the exp2s and dS made the build spill (33 spill stores -> 1, 3-11% faster); at hs=64, which does not spill,
+    subtracting them from the results measured 1-4% faster."""
+    return head_dim == 128
+
+
 def dq_cols_block(head_dim: int) -> tuple[int, int]:
     """The block of the float32 dQ buffer a consumer warpgroup adds at once, and so whether the warpgroups take
     turns (_key_gradients' TURNS): (M, D) at hs=64, where they do, (M, D/2) at hs=128, where each adds half of the
@@ -441,17 +462,23 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     device = q.device  # (again must not keep q alive)
 
     def buffers():
-        """lse2, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D): the pre-pass writes all three"""
-        lse2 = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
-        return lse2, torch.empty_like(lse2), torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
-    lse2, delta, dq_acc = buffers()
+        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D): the pre-pass writes all three"""
+        lse_row = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
+        return lse_row, torch.empty_like(lse_row), torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
+    lse_row, delta, dq_acc = buffers()
+    rows_first = row_values_first(D)
+
+    def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
+        return 1 / scale if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad)
-    first_prepare = launch(_attn_bwd_prepare, rows_grid, (o, do, lse, lse2, delta, dq_acc, *sizes_prepare),
+    first_prepare = launch(_attn_bwd_prepare, rows_grid,
+                           (o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale)),
                            HEAD_DIM=D, ROWS=BLOCK_M.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
     k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
-    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT) for t in (lse2, delta))
+    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)
+                            for t in (lse_row, delta))
     # the float32 dQ buffer's rows, added into by dq_cols_block blocks
     dq_block = dq_cols_block(D)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
@@ -471,7 +498,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
     first_main = launch(_attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
                                                   *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale),
-                        STAGES=stages, num_warps=4, maxnreg=LAUNCH_REGS)
+                        STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
     sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
     first_finish = launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
                           ROWS=BLOCK_M.value)
@@ -480,10 +507,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
 
     def again(do, q, k, v, o, lse, dq, dk, dv, scale):
-        lse2, delta, dq_acc = buffers()
-        first_prepare.again(o, do, lse, lse2, delta, dq_acc, *sizes_prepare)
+        lse_row, delta, dq_acc = buffers()
+        first_prepare.again(o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale))
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
-                         rebased(lse_desc, lse2), rebased(delta_desc, delta), *dkdv(dk, dv), *grad_strides,
+                         rebased(lse_desc, lse_row), rebased(delta_desc, delta), *dkdv(dk, dv), *grad_strides,
                          rebased(dq_desc, dq_acc), *sizes_main, scale)
         first_finish.again(dq_acc, dq, *sizes_finish, scale)
     return Launched(first_main.compiled, again)

@@ -78,7 +78,8 @@ def build_backward(head_dim: int, tile: tuple[int, bool]):
                                                "stride_dvt"], "i32"),
                      dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
                                                   "Tk", "diag"], "i32"), scale="fp32")
-    return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages), hb.LAUNCH_REGS)
+    return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim)),
+                    hb.LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:

@@ -62,34 +62,37 @@ def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
         if head_dim == 64:
             assert built["spill_stores"] == 0 and built["stack_bytes"] == 0, built
         else:
-            # §13: at hs=128 the consumers' scalars spill, and that cost 10-15% on the H200 until Delta's load moved
-            # (67 -> 33 spill stores with Triton 3.6, 83 -> 59 with 3.9); the bound catches a change that undoes it
-            assert built["spill_stores"] <= (40 if triton.__version__.startswith("3.6.") else 70), built
+            # §13: at hs=128 the consumers' registers peak over the exp2s and dS; spills there cost 10-15% on the
+            # H200 until Delta's load moved (67 -> 33 spill stores with Triton 3.6, 83 -> 59 with 3.9), and 3-11%
+            # more until S^T and dP^T started from the row values (33 -> 0-5, 59 -> 21-23); the bound catches a
+            # change that undoes it
+            assert built["spill_stores"] <= (8 if triton.__version__.startswith("3.6.") else 30), built
 
 
 def test_pre_and_post_pass():
-    # the `tl` kernels around the Gluon one: Delta, base-2 lse and a zeroed dQ buffer, padded to whole tiles
-    # with 0 and +inf; then dq = scale * buffer in dq's dtype and strides
+    # the `tl` kernels around the Gluon one: Delta, lse in the kernel's units (lse_unit: 1 / scale where S^T starts
+    # from -lse / scale, log2(e) where it is subtracted from the scaled scores in base 2) and a zeroed dQ buffer,
+    # padded to whole tiles with 0 and +inf; then dq = scale * buffer in dq's dtype and strides
     torch.manual_seed(0)
-    B, H, Tq, D, rows = 2, 3, 40, 64, 32
+    B, H, Tq, D, rows, scale, lse_unit = 2, 3, 40, 64, 32, 0.125, 8.0
     Tq_pad = 64
     o, do = (torch.randn(B, Tq, H, D, dtype=torch.float16).transpose(1, 2) for _ in range(2))
     lse = torch.randn(B, H, Tq)
-    lse2, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
+    lse_row, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
     grid = (Tq_pad // rows, B * H)
-    triton_hopper_backward._attn_bwd_prepare[grid](o, do, lse, lse2, delta, dq_acc, *o.stride()[:3], *do.stride()[:3],
-                                                   H, Tq, Tq_pad, HEAD_DIM=D, ROWS=rows)
+    triton_hopper_backward._attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
+                                                   *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(lse2[:, :Tq], lse.reshape(B * H, Tq) * 1.4426950408889634)
-    assert (delta[:, Tq:] == 0).all() and (lse2[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
+    torch.testing.assert_close(lse_row[:, :Tq], lse.reshape(B * H, Tq) * lse_unit)
+    assert (delta[:, Tq:] == 0).all() and (lse_row[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
 
     dq_acc = torch.randn(B * H, Tq_pad, D)
     dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
-    triton_hopper_backward._attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, 0.125, HEAD_DIM=D,
+    triton_hopper_backward._attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
                                                      ROWS=rows)
-    torch.testing.assert_close(dq, (dq_acc[:, :Tq] * 0.125).half().reshape(B, H, Tq, D))
+    torch.testing.assert_close(dq, (dq_acc[:, :Tq] * scale).half().reshape(B, H, Tq, D))
 
 
 def test_deterministic_algorithms_keep_the_tl_kernels(monkeypatch):
