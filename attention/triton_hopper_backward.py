@@ -437,7 +437,7 @@ def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, 
 def row_values_first(head_dim: int) -> bool:
     """Whether the consumers' S^T and dP^T wgmmas start from -lse / scale and -Delta instead of zero (_key_gradients'
     ROWS_FIRST, §13 "The row values in the accumulators"): at hs=128, where those (M,) values held in registers over
-    the exp2s and dS made the build spill (33 spill stores -> 1, 3-11% faster); at hs=64, which does not spill,
+    the exp2s and dS made the build spill (33 spill stores -> 0, 3-11% faster); at hs=64, which does not spill,
     subtracting them from the results measured 1-4% faster."""
     return head_dim == 128
 
