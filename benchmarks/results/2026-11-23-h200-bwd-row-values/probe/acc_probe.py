@@ -9,7 +9,8 @@ launches per cell beside cuDNN's backward, three rotating rounds, do_bench media
 
 A VARIANT is timed beside them, not checked: .gpu_carry/triton_hopper_backward_VARIANT.py, a copy of the module with
 absolute imports. Run 1: the working tree had both row values in the accumulators. Run 2: the working tree has only
-Delta there (S^T from zero, lse subtracted after it), `both` is run 1's.
+Delta there (S^T from zero, lse subtracted after it), `both` is run 1's. Run 3 (hs=128): the kept kernel beside `both`.
+Run 4 (hs=128): `s3`, the kept kernel with three ring slots offered at hs=128 too ((3, False), (3, True)).
 """
 import datetime
 import importlib.util
