@@ -157,6 +157,30 @@ def test_backends_are_timed_in_rounds_in_rotating_order_and_a_failure_stays_a_ce
     assert list(cells) == ["a", "b"] and list(cells["a"]) == ["fwd", "bwd"]
 
 
+def test_backward_probe_loads_variants_rotates_rounds_and_tables_best_tiles(tmp_path):
+    from benchmarks import backward_probe as probe
+
+    # a variant by module name (checked: the trailing !) or by file
+    copy = tmp_path / "variant.py"
+    copy.write_text("TILES = {64: [(2, False)]}\n")
+    name, module, checked = probe.load("package!=benchmarks.report")
+    assert (name, module.__name__, checked) == ("package", "benchmarks.report", True)
+    name, module, checked = probe.load(f"copy={copy}")
+    assert (name, module.TILES, checked) == ("copy", {64: [(2, False)]}, False)
+    # every name once per round, each round starting one further along
+    assert probe.rotations(["cudnn", "a", "b"], 4) == [["cudnn", "a", "b"], ["a", "b", "cudnn"],
+                                                       ["b", "cudnn", "a"], ["cudnn", "a", "b"]]
+    assert probe.grid_cells(64)[0] == (16, 12, 1024, 64, True) and len(probe.grid_cells(128)) == 6
+    # cuDNN's time over each tile's, then over each variant's best tile
+    times = {"cudnn": 1.0, "base(2, False)": 0.5, "base(3, True)": 2.0, "new(2, False)": 4.0}
+    rows = [dict(B=1, H=2, T=64, D=64, causal=c, name=n, ms=ms * (1 + c)) for c in (True, False)
+            for n, ms in times.items()]
+    lines = probe.table(rows, ["base", "new"]).splitlines()
+    assert lines[0].startswith("cell | base(2, False) | base(3, True) | new(2, False) | best base | best new")
+    assert lines[1] == "B1 H2 T64 hs64 causal | 2.000 | 0.500 | 0.250 | 2.000 | 0.250"
+    assert lines[2] == "B1 H2 T64 hs64 full | 2.000 | 0.500 | 0.250 | 2.000 | 0.250"
+
+
 def test_compiled_backend_never_hits_the_recompile_limit_over_the_grid(tmp_path):
     # a limit of one compile per function: every new shape would fail without the sweep's Dynamo reset.
     # torch's own config.patch, not monkeypatch: pytest >= 9.2 undoes a module-attribute patch with
