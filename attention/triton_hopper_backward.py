@@ -73,7 +73,7 @@ BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one 
 # Tiles (STAGES, DKDV_STAGED) per head dim, as measured on the H200 (docs/perf_notes.md); the tuner picks per shape.
 # STAGES: slots in the Q/dO ring. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers: a third
 # slot spilled (55 stores) and ran 11-15% slower; with the row values in the accumulators (row_values_first) 26 spill
-# stores against none, and 5-14% slower (§13).
+# stores against none, and 9-15% slower (§13).
 # DKDV_STAGED: dK and dV leave through shared memory by TMA instead of from registers by pointers. It ran 3-10%
 # faster at T=1k (not at hs=64 without the mask) and at hs=128 4k, and 3-7% slower at hs=64 from 4k on, where the
 # build's schedule of the main loop comes out slower (§13 "dK and dV leave"): so both, and the tuner chooses.
