@@ -238,6 +238,12 @@ def failure(e: Exception) -> str:
     return f"error: {first_line(e)}"
 
 
+def rotations(items: list, rounds: int) -> list[list]:
+    """The order of each of `rounds` rounds: the items rotated by one more each round, so that no item is always timed
+    right after the same one (see measure)."""
+    return [items[r % max(len(items), 1):] + items[:r % max(len(items), 1)] for r in range(rounds)]
+
+
 def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, device, rep_ms: float,
             rounds: int = 1) -> dict[str, dict[str, dict]]:
     """name -> pass -> {"ms", "tflops", "peak_mem_gib", "status"} for backends fns (name -> fn) on one shape, side by
@@ -259,9 +265,8 @@ def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, dev
             except Exception as e:  # a backend rejecting a shape is a result to record, not a crash
                 cells[name][pass_] = failed_cell(e, device)
     times = {key: [] for key in steps}
-    for r in range(rounds):
-        turn = r % max(len(steps), 1)
-        for name, pass_ in steps[turn:] + steps[:turn]:
+    for order in rotations(steps, rounds):
+        for name, pass_ in order:
             if pass_ in cells[name]:  # failed in an earlier round
                 continue
             try:

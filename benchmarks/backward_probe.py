@@ -89,17 +89,14 @@ def check(variants: dict, head_dim: int) -> list[dict]:
     return checks
 
 
-def rotations(names: list[str], rounds: int) -> list[list[str]]:
-    """The order of each round: the list rotated by one more each round, as benchmarks/attention.py's rounds."""
-    return [names[r % len(names):] + names[:r % len(names)] for r in range(rounds)]
-
-
 def time_cells(variants: dict, head_dim: int, rounds: int = 3, rep_ms: float = 100.0) -> list[dict]:
     """Every variant's every tile (the main kernel and its pre- and post-pass, as a call runs them) beside cuDNN's
     backward, per grid cell: the median of `rounds` do_bench medians."""
     import torch.nn.functional as F
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.attention import rotations
 
     rows = []
     for B, H, T, D, causal in grid_cells(head_dim):
