@@ -735,8 +735,9 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
 # ---------------------------------------------------------------------------------------------
 def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
     """Uninitialised (B, H, T, D) stored as (B, T, H, D): the model's y.transpose(1, 2) of it is
-    contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads)."""
-    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+    contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads). One call: an eager
+    backward allocates three of these, and each torch call is host time there (docs/perf_notes.md, "host time")."""
+    return torch.empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), dtype=like.dtype, device=like.device)
 
 
 def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:

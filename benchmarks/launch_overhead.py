@@ -4,11 +4,14 @@ A kernel whose host-side launch path takes longer than its GPU work leaves the G
 calls: at small shapes (GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets the speed.
 
     python -m benchmarks.launch_overhead            # GPT-2 shape, bf16
+    python -m benchmarks.launch_overhead --timeline # where an eager forward+backward's host time goes, span by span
 """
 import argparse
+import contextlib
 import cProfile
 import functools
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ import triton
 
 from attention import attention, attention_qkvpacked
 from attention import triton_flash
-from attention.triton_op import flash_attn_fwd
+from attention.triton_op import FlashAttentionFunction, flash_attn_fwd
 
 
 def host_us(fn, calls=200) -> float:
@@ -36,11 +39,82 @@ def host_us(fn, calls=200) -> float:
     return 1e6 * host / calls
 
 
+# The spans of one eager forward+backward, from the call to the return of torch.autograd.grad; for the triton backend
+# also where its autograd Function's forward and backward begin and end. With multithreading on (PyTorch's default),
+# autograd runs the backward of CUDA tensors on a thread of its own per device, so the Function's backward runs there
+# and "-> Function.backward" and "-> grad returns" include the hand-overs between the two threads.
+SPANS = (("call -> Function.forward", "call", "fwd in"), ("Function.forward", "fwd in", "fwd out"),
+         ("-> forward returns", "fwd out", "fwd returned"), ("-> Function.backward", "fwd returned", "bwd in"),
+         ("Function.backward", "bwd in", "bwd out"), ("-> grad returns", "bwd out", "grad returned"),
+         ("forward", "call", "fwd returned"), ("grad", "fwd returned", "grad returned"),
+         ("whole", "call", "grad returned"))
+
+
+@contextlib.contextmanager
+def marked_function(marks: dict):
+    """FlashAttentionFunction with perf_counter marks (SPANS' names) at its forward's and backward's entry and exit."""
+    plain_forward, plain_backward = FlashAttentionFunction.forward, FlashAttentionFunction.backward
+
+    def marked(method, enter, leave):
+        def run(ctx, *args):
+            marks[enter] = time.perf_counter()
+            result = method(ctx, *args)
+            marks[leave] = time.perf_counter()
+            return result
+        return staticmethod(run)
+    FlashAttentionFunction.forward = marked(plain_forward, "fwd in", "fwd out")
+    FlashAttentionFunction.backward = marked(plain_backward, "bwd in", "bwd out")
+    try:
+        yield
+    finally:
+        FlashAttentionFunction.forward = staticmethod(plain_forward)
+        FlashAttentionFunction.backward = staticmethod(plain_backward)
+
+
+def timeline(backend: str, q, k, v, do, calls: int = 300, sync=torch.cuda.synchronize) -> dict[str, float]:
+    """Median host microseconds of each of SPANS over `calls` eager forward+backward calls of attention(backend) on
+    q, k, v (leaves that require grad); sync (every 50 calls) keeps the launch queue from filling."""
+    marks, spans = {}, {name: [] for name, _, _ in SPANS}
+    with marked_function(marks):
+        for i in range(calls):
+            if i % 50 == 0:
+                sync()
+            marks.clear()
+            marks["call"] = time.perf_counter()
+            out = attention(q, k, v, causal=True, backend=backend)
+            marks["fwd returned"] = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), do)
+            marks["grad returned"] = time.perf_counter()
+            del out  # its graph is freed here, outside the spans
+            for name, start, end in SPANS:
+                if start in marks and end in marks:
+                    spans[name].append(1e6 * (marks[end] - marks[start]))
+    sync()
+    return {name: statistics.median(times) for name, times in spans.items() if times}
+
+
+def print_timelines(q, k, v, do, rounds: int = 2) -> None:
+    """timeline() of triton and sdpa (cuDNN's kernel on Hopper), autograd's device thread on and off, in `rounds`
+    rounds: host time changes from round to round, so only figures of one round compare."""
+    print("| backend | autograd thread | round | " + " | ".join(name for name, _, _ in SPANS) + " |")
+    print("|---" * (len(SPANS) + 3) + "|")
+    for round_ in range(rounds):
+        for threaded in (True, False):
+            for backend in ("triton", "sdpa"):
+                with torch.autograd.set_multithreading_enabled(threaded):
+                    timeline(backend, q, k, v, do, calls=20)  # warm
+                    spans = timeline(backend, q, k, v, do)
+                cells = [f"{spans[name]:.0f}" if name in spans else "" for name, _, _ in SPANS]
+                print(f"| {backend} | {'device' if threaded else 'calling'} | {round_} | " + " | ".join(cells) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="16,12,1024,64", help="B,nh,T,hs")
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's table and cProfile's top Python functions of triton fwd+bwd")
+    p.add_argument("--timeline", action="store_true",
+                   help="only the span-by-span host timeline of an eager forward+backward, triton and sdpa")
     args = p.parse_args()
     B, nh, T, hs = map(int, args.shape.split(","))
     q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
@@ -48,6 +122,10 @@ def main():
     scale = hs ** -0.5
     o, lse = triton_flash.forward(q.detach(), k.detach(), v.detach(), True, scale)
     do = torch.randn_like(o)
+    if args.timeline:
+        print(f"B={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}: median host us per span")
+        print_timelines(q, k, v, do)
+        return
 
     def fwd_bwd(backend):
         def run():

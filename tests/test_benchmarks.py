@@ -446,3 +446,21 @@ def test_timeline_finds_a_slower_late_kernel_and_a_gpu_waiting_for_the_host():
     assert (name, float(first), float(last), float(idle), float(lead)) == ("b", 200, 260, 30, 0)
     first, last, idle, lead, name = lines[2].split()
     assert (name, float(first), float(last), float(idle), float(lead)) == ("a", 100, 100, 1, 50)
+
+
+def test_launch_timeline_marks_the_triton_function_and_restores_it():
+    from attention.triton_op import FlashAttentionFunction
+    from benchmarks import launch_overhead
+
+    plain = FlashAttentionFunction.forward, FlashAttentionFunction.backward
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 32, 16)
+    spans = {backend: launch_overhead.timeline(backend, q, k, v, do, calls=3, sync=lambda: None)
+             for backend in ("triton", "sdpa")}
+    names = [name for name, _, _ in launch_overhead.SPANS]
+    assert list(spans["triton"]) == names  # every span, the Function's own ones included
+    assert list(spans["sdpa"]) == ["forward", "grad", "whole"]  # no Function of ours to mark
+    for times in spans.values():
+        assert all(t > 0 for t in times.values())
+        assert times["whole"] >= max(times["forward"], times["grad"])
+    assert (FlashAttentionFunction.forward, FlashAttentionFunction.backward) == plain
