@@ -736,7 +736,8 @@ def _attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
 def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
     """Uninitialised (B, H, T, D) stored as (B, T, H, D): the model's y.transpose(1, 2) of it is
     contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads). One call: an eager
-    backward allocates three of these, and each torch call is host time there (docs/perf_notes.md, "host time")."""
+    backward allocates three of these, and each torch call is host time there (docs/perf_notes.md, "GPT-2's eager
+    cell, span by span")."""
     return torch.empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), dtype=like.dtype, device=like.device)
 
 

@@ -94,7 +94,7 @@ def timeline(backend: str, q, k, v, do, calls: int = 300, sync=torch.cuda.synchr
 
 
 def print_timelines(q, k, v, do, rounds: int = 2) -> None:
-    """timeline() of triton and sdpa (cuDNN's kernel on Hopper), autograd's device thread on and off, in `rounds`
+    """timeline() of triton and sdpa (whichever kernel PyTorch picks), autograd's device thread on and off, in `rounds`
     rounds: host time changes from round to round, so only figures of one round compare."""
     print("| backend | autograd thread | round | " + " | ".join(name for name, _, _ in SPANS) + " |")
     print("|---" * (len(SPANS) + 3) + "|")
