@@ -919,9 +919,9 @@ _best_backward: dict[_BackwardKey, tuple | None] = {}
 
 def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: int) -> dict:
     """What the tuner (§9) has chosen so far for dense calls of these sizes, by kernel: "fwd", "dq", "dkdv" ->
-    (tile, variant), variant "hopper" being §12's kernel with a (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) tile;
-    "bwd" -> None where the `tl` pair (dq, dkdv) runs, or §13's kernel's (STAGES, DKDV_STAGED) tile. Kernels not
-    tuned yet are left out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py
+    (tile, variant), variant "hopper" being §12's kernel with a (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS)
+    tile; "bwd" -> None where the `tl` pair (dq, dkdv) runs, or §13's kernel's (STAGES, DKDV_STAGED) tile. Kernels
+    not tuned yet are left out; where calls of several layouts were tuned, the last one's. benchmarks/attention.py
     records it per cell."""
     buckets = (triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
     dense = dict(HEAD_DIM=head_dim, CAUSAL=causal, SPARSE=False, WINDOW=False, DOCS=False, BITS=False)

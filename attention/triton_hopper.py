@@ -5,8 +5,8 @@ and fully-masked rows); what changes is which warps do what. There, every warp o
 multiplies and runs the softmax in turn. Here a program takes work items, 128 or 192 query rows of one (batch,
 head) each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
 
-  _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into a ring of STAGES shared-memory
-                      slots, each slot refilled as soon as every consumer is done with it;
+  _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into rings of shared-memory slots,
+                      each slot refilled as soon as every consumer is done with it;
   _softmax_rows       two or three consumer warpgroups of 64 rows each: the online softmax over the key tiles,
                       S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
                       warpgroup's softmax runs while the tensor cores multiply (§12 says whose products); then
@@ -21,14 +21,18 @@ kernel for hs=128 at long sequences, the `tl` kernel at GPT-2's T=1024 (perf not
 interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90
 (benchmarks/hopper_build.py).
 
-Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land):
-  kv_ready[s]  the copy engine arrives when K_j and V_j (2 tiles of bytes, announced with expect) are in;
-  kv_empty[s]  count CONSUMERS: each consumer warpgroup arrives when it has finished reading K_j and V_j.
+Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land). K and V
+share one ring of K_STAGES slots (K_STAGES == V_STAGES), or each has its own (split rings, V_STAGES < K_STAGES: the
+consumers are done with K_j once S_j is computed, with V_j a tile later, so V can make do with fewer slots, and what
+that saves holds O's staging tiles at hs=128; §12 "Split rings"):
+  k_ready[s]   the copy engine arrives when K_j is in (one ring: K_j and V_j, 2 tiles of bytes announced with expect);
+  k_empty[s]   count CONSUMERS: each consumer warpgroup arrives when it has finished reading K_j (one ring: and V_j);
+  v_ready[s], v_empty[s]  the same for V_j, with split rings (one ring: they are k_ready and k_empty);
   q_ready[b], q_empty[b]  the same for Q buffer b, which holds items b, b + Q_BUFFERS, ...: at hs=64 two buffers,
                each refilled once all consumers are past their last S of its item; at hs=128, where they hold Q
                in registers, one, refilled once all have loaded it.
-The j-th key tile a program loads (counted over its items) lives in slot j % STAGES, in that slot's phase
-(j // STAGES) & 1. No barrier spans the whole program, so no warpgroup waits for another.
+The j-th key tile a program loads (counted over its items) lives in slot j % slots of its ring, in that slot's phase
+(j // slots) & 1. No barrier spans the whole program, so no warpgroup waits for another.
 """
 import functools
 import os
@@ -51,14 +55,17 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) per head dim: K and V tiles of BLOCK_N rows in a ring of STAGES slots;
-# CONSUMERS warpgroups of 64 query rows each, so work items (query tiles) of 64 * CONSUMERS rows; a program per item,
-# or with PERSISTENT one per SM walking its share of them in pairs (`_work_item`). The ones that won a cell in
-# benchmarks/results/2026-11-22-h200-causal-pairs/ (pairs.jsonl) and, with three consumers (FlashAttention-3's
-# tile at head dim 64), in benchmarks/results/2026-11-22-h200-three-consumers/ (T >= 4k; at T=1k a 192-row tile
-# leaves two thirds of the last one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128.
-TILES = {64: [(128, 3, True, 2), (128, 3, False, 2), (128, 2, True, 2), (128, 3, True, 3), (128, 3, False, 3)],
-         128: [(128, 3, True, 2), (64, 3, True, 2)]}
+# (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) per head dim: K and V tiles of BLOCK_N rows in rings of
+# K_STAGES and V_STAGES slots (one ring for both where they are equal); CONSUMERS warpgroups of 64 query rows each, so
+# work items (query tiles) of 64 * CONSUMERS rows; a program per item, or with PERSISTENT one per SM walking its share
+# of them in pairs (`_work_item`). The ones that won a cell in benchmarks/results/2026-11-22-h200-causal-pairs/
+# (pairs.jsonl) and, with three consumers (FlashAttention-3's tile at head dim 64), in
+# benchmarks/results/2026-11-22-h200-three-consumers/ (T >= 4k; at T=1k a 192-row tile leaves two thirds of the last
+# one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128. hs=128's split-ring tile, V in 2
+# slots and O staged, won the non-causal T=1k cell (benchmarks/results/2026-11-23-h200-kv-rings/).
+TILES = {64: [(128, 3, 3, True, 2), (128, 3, 3, False, 2), (128, 2, 2, True, 2), (128, 3, 3, True, 3),
+              (128, 3, 3, False, 3)],
+         128: [(128, 3, 3, True, 2), (64, 3, 3, True, 2), (128, 3, 2, True, 2)]}
 ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall (constexpr: kernels read it)
 # registers per thread, by consumer count: for the launch (the warps, the producer's one padded to four, fill the
 # register file), then per consumer after setmaxnreg moves them from the producer, which needs few (PRODUCER_REGS),
@@ -75,12 +82,12 @@ if gluon is not None:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @triton.constexpr_function
-    def _o_staged(q_buffers, consumers, stages, block_n, head_dim):
-        """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K/V
-        ring, 16-bit elements; not at hs=128 with 128-key tiles in 3 stages: there the consumers store O from
-        registers, and the tile still measured fastest at T >= 4k. _attn_fwd_ws allocates by it and _softmax_rows
-        stores by it."""
-        rows = (q_buffers + 1) * consumers * ROWS + 2 * stages * block_n
+    def _o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
+        """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K and V
+        rings, 16-bit elements; not at hs=128 with 128-key tiles in 3 + 3 slots: there the consumers store O from
+        registers (in 3 + 2 slots, split rings, it fits). _attn_fwd_ws allocates by it and _softmax_rows stores by
+        it."""
+        rows = (q_buffers + 1) * consumers * ROWS + (k_stages + v_stages) * block_n
         return rows * head_dim * 2 <= SHARED_BYTES
 
     @gluon.jit
@@ -109,19 +116,22 @@ if gluon is not None:
         return bh, start_m, n_tiles
 
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H, GROUP,
-                    n_m_tiles, n_work, per_turn, Tk, diag):
+    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tk, diag):
         """The producer warp: for each of the program's work items, Q (once every consumer is done with the
-        previous item's), then K_j, V_j into the ring. Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D)
-        block: rows past T arrive as zeros, whatever the strides (§9), so a ragged last tile needs no special load."""
+        previous item's), then K_j, V_j. With one ring (K_STAGES == V_STAGES) both into slot j % STAGES, counted
+        in by one barrier. With split rings (V_STAGES < K_STAGES) each into its own, K a tile ahead: K_0, K_1,
+        V_0, K_2, V_1, ... (the consumers release each K once its S is computed, each V a tile later, after its
+        P V). Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D) block: rows past T arrive as zeros,
+        whatever the strides (§9), so a ragged last tile needs no special load."""
         # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
-        STAGES: gl.constexpr = k_smem.shape[0]
-        BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         Q_BUFFERS: gl.constexpr = q_ready.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS  # a Q buffer holds 64 rows per consumer
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-        loaded = 0  # key tiles loaded so far, over all items: tile number `loaded` goes to slot loaded % STAGES
+        SPLIT: gl.constexpr = v_smem.shape[0] < k_smem.shape[0]
+        loaded = 0  # key tiles loaded so far, over all items: tile number t goes to slot t % (its ring's slots)
         for item in range(_items(n_work, per_turn)):
             bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
             b, h = bh // H, bh % H
@@ -134,16 +144,55 @@ if gluon is not None:
                 _tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
                           q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
             for j in range(n_tiles):
-                slot = (loaded + j) % STAGES
-                # wait until every consumer released the slot's previous tile
-                mbarrier.wait(kv_empty.index(slot), (((loaded + j) // STAGES) & 1) ^ 1)
-                ready = kv_ready.index(slot)
-                mbarrier.expect(ready, 2 * k_desc.block_type.nbytes)
-                _tma_load(k_desc, [b, h // GROUP, j * BLOCK_N, 0], ready,
-                          k_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
-                _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], ready,
-                          v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+                if SPLIT:
+                    _load_tile(k_desc, k_smem, k_ready, k_empty, loaded + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
+                    if j > 0:
+                        _load_tile(v_desc, v_smem, v_ready, v_empty, loaded + j - 1,
+                                   [b, h // GROUP, (j - 1) * BLOCK_N, 0], 1)
+                else:
+                    slot = _load_tile(k_desc, k_smem, k_ready, k_empty, loaded + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
+                    _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
+                              v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+            if SPLIT:
+                _load_tile(v_desc, v_smem, v_ready, v_empty, loaded + n_tiles - 1,
+                           [b, h // GROUP, (n_tiles - 1) * BLOCK_N, 0], 1)
             loaded += n_tiles
+
+    @gluon.jit
+    def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
+        """Key tile number t (counted over the program's items) of K or V, the block at coord, into its ring's slot
+        t % slots, once every consumer released the tile that slot held before; ready[slot] counts `tiles` tiles'
+        bytes in (2: the V tile of a joint ring comes in on K's barrier). -> the slot."""
+        SLOTS: gl.constexpr = ring.shape[0]
+        slot = t % SLOTS
+        mbarrier.wait(empty.index(slot), ((t // SLOTS) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), tiles * desc.block_type.nbytes)
+        _tma_load(desc, coord, ready.index(slot), ring.index(slot).reshape([1, 1, ring.shape[1], ring.shape[2]]))
+        return slot
+
+    @gluon.jit
+    def _wait_tile(ring, ready, t):
+        """-> the slot of key tile number t (over the program's items) in its ring, once the tile is in."""
+        SLOTS: gl.constexpr = ring.shape[0]
+        slot = t % SLOTS
+        mbarrier.wait(ready.index(slot), (t // SLOTS) & 1)
+        return slot
+
+    @gluon.jit
+    def _v_slot(v_smem, v_ready, t, k_slot, SPLIT: gl.constexpr):
+        """-> V_t's slot, once V_t is in: with split rings its own, after a wait of its own; with one ring K_t's slot
+        k_slot, whose wait counted V_t in too (_load_tiles)."""
+        if SPLIT:
+            return _wait_tile(v_smem, v_ready, t)
+        else:
+            return k_slot
+
+    @gluon.jit
+    def _k_done(k_empty, slot, SPLIT: gl.constexpr):
+        """S of the K tile in `slot` is computed: with split rings the producer may refill its slot now (with one
+        ring it waits for the V beside it, released after P V)."""
+        if SPLIT:
+            mbarrier.arrive(k_empty.index(slot), count=1)
 
     @gluon.jit
     def _mask_keys(s, first_row, start_n, diag, Tk, s_layout: gl.constexpr):
@@ -166,18 +215,22 @@ if gluon is not None:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem,
-                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
+    def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                      o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
+                      diag, qk_scale):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
         and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
         _attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
-        STAGES: gl.constexpr = k_smem.shape[0]
+        K_STAGES: gl.constexpr = k_smem.shape[0]
+        V_STAGES: gl.constexpr = v_smem.shape[0]
+        SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         Q_BUFFERS: gl.constexpr = q_ready.shape[0]
         CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, STAGES, BLOCK_N, HEAD_DIM)  # as _attn_fwd_ws allocated
+        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N,
+                                           HEAD_DIM)  # as _attn_fwd_ws allocated
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -227,12 +280,14 @@ if gluon is not None:
             else:
                 q = q_smem.index(buffer * CONSUMERS + WG)
 
-            # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}
-            slot = seen_tiles % STAGES
-            mbarrier.wait(kv_ready.index(slot), (seen_tiles // STAGES) & 1)
-            s_token = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)),
+            # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}.
+            # With split rings each K is released once its S is computed, each V once its P V is; with one ring both
+            # once the P V is
+            k_slot = _wait_tile(k_smem, k_ready, seen_tiles)
+            s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
                                     gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
+            _k_done(k_empty, k_slot, SPLIT)
             if BLOCK_N > mask_from:
                 s = _mask_keys(s, first_row, 0, diag, Tk, s_layout)
             m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
@@ -241,58 +296,63 @@ if gluon is not None:
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
             for j in range(1, n_full):
-                prev = slot
-                slot = (seen_tiles + j) % STAGES
-                mbarrier.wait(kv_ready.index(slot), ((seen_tiles + j) // STAGES) & 1)
+                prev = k_slot
+                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + j)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-                s_token = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)),
+                s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
                                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                v_slot = _v_slot(v_smem, v_ready, seen_tiles + j - 1, prev, SPLIT)
+                o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
+                _k_done(k_empty, k_slot, SPLIT)
                 if (j + 1) * BLOCK_N > mask_from:
                     s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
                 # other warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
-                mbarrier.arrive(kv_empty.index(prev), count=1)  # done with K_{j-1}, V_{j-1}: the producer may refill
+                mbarrier.arrive(v_empty.index(v_slot), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             # each branch waits for its last P V itself: with a wgmma in flight across the join, ptxas serializes
             # every wgmma of the kernel
             if HALF_TILES and n_full < n_mine:
                 # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
                 # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile")
-                prev = slot
-                slot = (seen_tiles + n_full) % STAGES
-                mbarrier.wait(kv_ready.index(slot), ((seen_tiles + n_full) // STAGES) & 1)
+                prev = k_slot
+                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + n_full)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-                k_half = k_smem.index(slot).slice(0, HALF_N)  # (N/2, D)
+                k_half = k_smem.index(k_slot).slice(0, HALF_N)  # (N/2, D)
                 half_token = warpgroup_mma(q, k_half.permute((1, 0)),
                                            gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
                                            is_async=True)
-                o_token = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full - 1, prev, SPLIT)
+                o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
                 s_half = warpgroup_mma_wait(1, deps=[half_token])
+                _k_done(k_empty, k_slot, SPLIT)
                 s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tk, half_layout)
                 p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
                                                               gl.convert_layout(l_i, half_rows), qk_scale)
                 m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
-                mbarrier.arrive(kv_empty.index(prev), count=1)
+                mbarrier.arrive(v_empty.index(v_slot), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full, k_slot, SPLIT)
                 o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
-                                        v_smem.index(slot).slice(0, HALF_N), acc, is_async=True)
+                                        v_smem.index(v_slot).slice(0, HALF_N), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
             else:
                 if not Q_IN_REGISTERS:
                     mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-                o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(slot), acc,
+                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full - 1, k_slot, SPLIT)
+                o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(v_slot), acc,
                                         is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
-            mbarrier.arrive(kv_empty.index(slot), count=1)
+            mbarrier.arrive(v_empty.index(v_slot), count=1)
             for j in range(n_mine, n_tiles):  # tiles only the other warpgroups' rows see: release them unread
-                mbarrier.wait(kv_ready.index((seen_tiles + j) % STAGES), ((seen_tiles + j) // STAGES) & 1)
-                mbarrier.arrive(kv_empty.index((seen_tiles + j) % STAGES), count=1)
+                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + j)
+                _k_done(k_empty, k_slot, SPLIT)
+                mbarrier.arrive(v_empty.index(_v_slot(v_smem, v_ready, seen_tiles + j, k_slot, SPLIT)), count=1)
             seen_tiles += n_tiles
 
             # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
@@ -323,27 +383,30 @@ if gluon is not None:
     # one function per consumer warpgroup: warp_specialize cannot pass a partition a constexpr (WG), so each
     # partition fixes its own (the third runs only with three consumers)
     @gluon.jit
-    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                        o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                        qk_scale):
+        _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                        o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                        qk_scale):
+        _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                        stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale):
-        _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                      stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+    def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                        o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                        qk_scale):
+        _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
     def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
-                     scale, n_work, per_turn, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     scale, n_work, per_turn, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
         walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
         consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward())."""
@@ -357,31 +420,39 @@ if gluon is not None:
         # buffer the next item's Q loads while they finish this one (the last softmax, P V, the stores).
         Q_BUFFERS: gl.constexpr = 1 if HEAD_DIM == 128 else 2
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         # O's staging tiles, one per consumer, where they fit (_o_staged)
-        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, STAGES, BLOCK_N, HEAD_DIM)
+        O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)
         if O_STAGED:
             o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
         else:
             o_smem = q_smem  # in its place, not used
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(Q_BUFFERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
-        for i in gl.static_range(STAGES):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=CONSUMERS)
+        for i in gl.static_range(K_STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        if V_STAGES < K_STAGES:  # split rings: V's barriers of its own (_load_tiles)
+            v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(V_STAGES):
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        else:  # one ring: K's barriers count both tiles of a slot
+            v_ready, v_empty = k_ready, k_empty
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
-        consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, o_desc, o_smem, O, stride_ob,
-                         stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+        consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                         O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                          scale * 1.4426950408889634)
-        producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, kv_ready, kv_empty, H,
-                         GROUP, n_m_tiles, n_work, per_turn, Tk, diag)
+        producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tk, diag)
         # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
         if CONSUMERS == 3:
             gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
@@ -448,14 +519,15 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_flash.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
-    tile: (BLOCK_N, STAGES, PERSISTENT, CONSUMERS) from TILES. -> Launched: the compiled kernel (the tuner logs its
-    registers) and again(q, k, v, o, lse, scale), the same launch for tensors shaped, strided and aligned like these."""
+    tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. -> Launched: the compiled kernel (the
+    tuner logs its registers) and again(q, k, v, o, lse, scale), the same launch for tensors shaped, strided and
+    aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):
         raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
                          "stride and 16-byte aligned start and strides; allocate it with triton_flash.empty_bthd")
-    block_n, stages, persistent, consumers = tile
+    block_n, k_stages, v_stages, persistent, consumers = tile
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
@@ -468,8 +540,8 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     first = launch(_attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
-                   BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4,
-                   maxnreg=launch_regs)
+                   BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
+                   CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
 
     def again(q, k, v, o, lse, scale):

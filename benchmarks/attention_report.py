@@ -133,8 +133,8 @@ def markdown(res: Results) -> str:
     if tuner:
         out += [f"## {OURS}: the tuner's choices\n", tuner,
                 "fwd, dq, dkdv: (tile, variant), variant hopper = the warp-specialized forward (§12) with a (BLOCK_N, "
-                "STAGES, PERSISTENT, CONSUMERS) tile; bwd: None = the dq and dkdv kernels ran, else the Hopper backward "
-                "(§13) with a (STAGES, DKDV_STAGED) tile\n"]
+                "K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) tile; bwd: None = the dq and dkdv kernels ran, else the "
+                "Hopper backward (§13) with a (STAGES, DKDV_STAGED) tile\n"]
     failures = res.failures()
     if failures:
         out += ["## Cells not measured\n", *failures, ""]

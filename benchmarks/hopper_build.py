@@ -49,9 +49,9 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
-def build(head_dim: int, tile: tuple[int, int, int]):
-    """The forward for bf16 inputs; tile: (BLOCK_N, STAGES, CONSUMERS)."""
-    block_n, stages, consumers = tile
+def build(head_dim: int, tile: tuple[int, int, int, int]):
+    """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS)."""
+    block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = triton_hopper.REGS[consumers]
     signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
                      k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
@@ -59,7 +59,8 @@ def build(head_dim: int, tile: tuple[int, int, int]):
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
                      diag="i32", scale="fp32", n_work="i32", per_turn="i32")
     return _compile(triton_hopper._attn_fwd_ws, signature,
-                    dict(BLOCK_N=block_n, STAGES=stages, CONSUMERS=consumers, CONSUMER_REGS=consumer_regs), launch_regs)
+                    dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
+                         CONSUMER_REGS=consumer_regs), launch_regs)
 
 
 def build_backward(head_dim: int, tile: tuple[int, bool]):
@@ -101,10 +102,10 @@ def report(kernel) -> tuple[dict, str]:
                 shared_bytes=kernel.metadata.shared), sass
 
 
-def forward_build(tile: tuple[int, int, bool, int]) -> tuple[int, int, int]:
-    """A forward tile of triton_hopper.TILES -> what its build depends on, (BLOCK_N, STAGES, CONSUMERS)."""
-    block_n, stages, _, consumers = tile
-    return block_n, stages, consumers
+def forward_build(tile: tuple[int, int, int, bool, int]) -> tuple[int, int, int, int]:
+    """A forward tile of triton_hopper.TILES -> what its build depends on, (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS)."""
+    block_n, k_stages, v_stages, _, consumers = tile
+    return block_n, k_stages, v_stages, consumers
 
 
 def main(argv=None):
@@ -112,7 +113,8 @@ def main(argv=None):
     p.add_argument("--backward", action="store_true", help="the backward (§13) instead of the forward")
     p.add_argument("--head_dim", type=int, choices=[64, 128], default=None, help="default: every one with tiles")
     p.add_argument("--tile", default=None,
-                   help="forward: BLOCK_N,STAGES,CONSUMERS; backward: STAGES,DKDV_STAGED (0/1) (default: every one)")
+                   help="forward: BLOCK_N,K_STAGES,V_STAGES,CONSUMERS; backward: STAGES,DKDV_STAGED (0/1) "
+                        "(default: every one)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
