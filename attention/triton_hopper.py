@@ -17,7 +17,7 @@ head) each (one item, or with a persistent grid a share of them in pairs: _work_
 hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
 layouts, shared memory, barriers and warp partitions explicit. The tuner of triton_flash.forward times
 this kernel against the `tl` one on sm_90 and keeps the faster for each shape; on the H200 that is this
-kernel for hs=128 at long sequences, the `tl` kernel at GPT-2's T=1024 (perf notes). Gluon has no CPU
+kernel on every cell of the benchmark grid, GPT-2's included (the grids' tuner tables). Gluon has no CPU
 interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90
 (benchmarks/hopper_build.py).
 
