@@ -311,7 +311,7 @@ if gluon is not None:
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
                 # other warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
-                mbarrier.arrive(v_empty.index(v_slot), count=1)
+                mbarrier.arrive(v_empty.index(v_slot), count=1)  # done with V_{j-1} (one ring: K_{j-1} too): refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             # each branch waits for its last P V itself: with a wgmma in flight across the join, ptxas serializes
             # every wgmma of the kernel
