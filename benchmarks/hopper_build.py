@@ -123,7 +123,7 @@ def main(argv=None):
     for head_dim in [args.head_dim] if args.head_dim else sorted(table):
         if args.backward:
             tiles = [tuple(int(x) for x in args.tile.split(","))] if args.tile else table[head_dim]
-        else:  # the grid (persistent or not) is the launch's choice: one build per (BLOCK_N, STAGES, CONSUMERS)
+        else:  # one build per forward_build(tile): the grid (persistent or not) is the launch's choice
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in table[head_dim]}))
         for tile in tiles:

@@ -53,7 +53,7 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    # a build per (BLOCK_N, STAGES, CONSUMERS): the grid (persistent or not) is the launch's
+    # a build per (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS): the grid (persistent or not) is the launch's
     assert len(builds) == len({forward_build(tile) for tile in triton_hopper.TILES[head_dim]}), builds
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
