@@ -3,23 +3,22 @@
     model = GPT(GPTConfig.preset("gpt2", attn="triton"))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) token ids
     out = model.eval().generate(idx, 100)     # sampling with a KV cache (see KVCache)
-    GPT(GPTConfig(window=256))                # sparse: a 256-token sliding window, any backend
-    GPT(GPTConfig(attn="moba", moba_block=128, moba_topk=3))  # sparse: MoBA through its Triton kernel
+    GPT(GPTConfig(window=256))                # sparse: a 256-token sliding window, any backend with masks
+    GPT(GPTConfig(attn="moba"))               # sparse: MoBA, a backend with options of its own (attn_options)
 
 Module names follow Hugging Face's GPT-2 so its checkpoints load 1:1 (see load_hf_state_dict).
 """
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import attention, attention_qkvpacked, available_backends, unpack_qkv
-from attention.decode import decode_attention
-from attention.moba import moba_attention
+from attention import (attention, attention_qkvpacked, backend_options, decode_attention, get_backend, keys_per_query,
+                       unpack_qkv)
 
 # every GPT-2 size uses a head size of 64; only the depth and width change
 PRESETS = {
@@ -29,11 +28,6 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 PRESET_ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
-
-
-def attention_choices() -> list[str]:
-    """What GPTConfig.attn accepts: a registered attention backend, or "moba" (MoBA's Triton kernel)."""
-    return [*available_backends(), "moba"]
 
 
 @dataclass
@@ -47,15 +41,12 @@ class GPTConfig:
     # attention probabilities is not offered: the flash backends never materialise them.
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2; False is a bit faster
-    attn: str = "sdpa"  # attention backend, one of attention.available_backends(), or "moba" (below)
+    attn: str = "sdpa"  # attention backend, one of attention.available_backends()
     # Sliding window: each token attends to itself and the `window` tokens before it, through any
-    # backend (the triton one skips the key blocks outside it). 0 is full causal attention.
+    # backend that takes masks (the triton one skips the key blocks outside it). 0 is full causal attention.
     window: int = 0
-    # attn="moba": MoBA (attention/moba.py) through its fused Triton kernel. Each query reads its own
-    # block of moba_block keys and the moba_topk earlier blocks whose mean key scores highest against
-    # it. With block_size <= moba_block every query has only its own block: MoBA is then dense causal.
-    moba_block: int = 512
-    moba_topk: int = 3
+    # the backend's own options (attention.backend_options), its defaults filled in by __post_init__
+    attn_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -67,26 +58,25 @@ class GPTConfig:
                              "n_embd // n_head channels, so pick n_head among the divisors of n_embd")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.attn not in attention_choices():
-            raise ValueError(f"unknown attention backend attn={self.attn!r}; "
-                             f"choose one of: {', '.join(attention_choices())}")
-        for name, least, meaning in (("window", 0, "previous tokens each token sees; 0 = full causal attention"),
-                                     ("moba_block", 16, "keys per MoBA block; the GPU kernel takes multiples of 128"),
-                                     ("moba_topk", 0, "earlier MoBA blocks each query reads besides its own")):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
-                raise ValueError(f"GPTConfig.{name} must be an int >= {least} ({meaning}), got {value!r}")
-        if self.window and self.attn == "moba":
-            raise ValueError(f"window={self.window} with attn='moba' asks for two sparse attentions at once; pick one: "
-                             "window=0 for MoBA, or a backend such as attn='triton' for the sliding window")
+        if not (isinstance(self.window, int) and not isinstance(self.window, bool) and self.window >= 0):
+            raise ValueError(f"GPTConfig.window must be an int >= 0 (previous tokens each token sees; 0 = full "
+                             f"causal attention), got {self.window!r}")
+        if not isinstance(self.attn_options, dict):
+            raise ValueError(f"GPTConfig.attn_options must be a dict of the backend's options, got "
+                             f"{self.attn_options!r}")
+        self.attn_options = backend_options(self.attn, **self.attn_options)  # unknown backend or option: an error
+        if self.window and not get_backend(self.attn).supports_masks:
+            raise ValueError(f"window={self.window} with attn={self.attn!r}: that backend takes no sliding window; "
+                             "pick window=0, or a backend that takes masks (sdpa, triton, naive, compile)")
 
     def sparsity(self) -> dict:
-        """The sparse attention in force: {} for dense causal attention, else {"window": N} or MoBA's
-        {"moba_block": ..., "moba_topk": ...}. Configs that differ only in the dense backend (attn)
-        have the same sparsity and compute the same function, up to rounding."""
-        if self.attn == "moba":
-            return {"moba_block": self.moba_block, "moba_topk": self.moba_topk}
-        return {"window": self.window} if self.window else {}
+        """What the attention computes beyond dense causal attention: {} for none, the window, and for a backend
+        that computes a function of its own (attention.Backend.exact False) its name and options. Configs that
+        differ only in an exact backend have the same sparsity and compute the same function, up to rounding."""
+        rules = {"window": self.window} if self.window else {}
+        if not get_backend(self.attn).exact:
+            rules.update(attn=self.attn, **self.attn_options)
+        return rules
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -218,9 +208,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.backend = config.attn
+        self.backend, self.options = config.attn, config.attn_options
         self.window = config.window
-        self.moba_block, self.moba_topk = config.moba_block, config.moba_topk
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # see GPT._init_weights
@@ -230,21 +219,19 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
         window = (self.window, 0) if self.window else None
-        if kv_cache is None and self.backend != "moba":
+        if kv_cache is None:
             # packed: the triton backend's backward then returns qkv's gradient as one tensor, where three
             # gradients of q, k, v would cost a concatenation per layer (see attention_qkvpacked)
-            y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window)  # (B, nh, T, hs)
+            y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window, **self.options)
         else:
-            y = self._attend_views(qkv, kv_cache, window)
+            y = self._attend_cached(qkv, kv_cache, window)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
         return self.resid_dropout(self.c_proj(y))
 
-    def _attend_views(self, qkv, kv_cache: KVCache | None, window) -> torch.Tensor:
-        """MoBA and KV-cache attention, on q, k, v as (B, nh, T, hs) views of qkv. Left strided on purpose:
+    def _attend_cached(self, qkv, kv_cache: KVCache, window) -> torch.Tensor:
+        """Attention against the KV cache, on q, k, v as (B, nh, T, hs) views of qkv. Left strided on purpose:
         the Triton kernels read them in place, and a .contiguous() would cost three copies per layer."""
         q, k, v = unpack_qkv(qkv)
-        if self.backend == "moba":  # never with a cache: GPT.forward refuses one
-            return moba_attention(q, k, v, self.moba_block, self.moba_topk, backend="triton")
         if kv_cache.step_pos is not None:
             # a static decode step (see KVCache): T = 1, the whole buffer, the valid length on the device
             kv_cache.write_step(k, v)
@@ -257,7 +244,7 @@ class CausalSelfAttention(nn.Module):
             k, v = k[:, :, -(T + self.window):], v[:, :, -(T + self.window):]
         # With a cache, Tq = T < Tk: the causal mask is aligned bottom-right, so new query i sits at
         # position Tk - T + i and sees every cached key (within the window) plus the new ones up to itself.
-        return attention(q, k, v, causal=True, backend=self.backend, window=window)
+        return attention(q, k, v, causal=True, backend=self.backend, window=window, **self.options)
 
 
 class MLP(nn.Module):
@@ -325,9 +312,9 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; "
                              "use idx[None] for a single sequence")
-        if kv_caches is not None and self.config.attn == "moba":
-            raise ValueError("a MoBA model runs without KV caches: MoBA picks key blocks for a whole sequence at "
-                             "once (as many queries as keys); run the full context, as generate() does for it")
+        if kv_caches is not None and not get_backend(self.config.attn).kv_cache:
+            raise ValueError(f"attn={self.config.attn!r} attends whole sequences only (as many queries as keys) and "
+                             "runs without KV caches; run the full context, as generate() does for it")
         if kv_caches is not None and len(kv_caches) != self.config.n_layer:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.config.n_layer} layers; pass one per layer")
         B, T = idx.size()
@@ -354,15 +341,11 @@ class GPT(nn.Module):
     def flops_per_token(self) -> int:
         """Training FLOPs per token, for MFU: 6 per parameter (2 forward, 4 backward) plus the
         attention score and value matmuls, 12 * n_layer * n_head * head_dim * keys, keys being the
-        most one query reads: block_size for causal attention (the causal mask's skipped half is
-        counted, as is the convention), window + 1 for a sliding window, (topk + 1) * moba_block for
-        MoBA. A sparse model is so credited with the work it needs, not with the dense work it skips."""
+        most one query reads (attention.keys_per_query): block_size for causal attention (the causal mask's
+        skipped half is counted, as is the convention), window + 1 for a sliding window, a sparse backend's own
+        bound. A sparse model is so credited with the work it needs, not with the dense work it skips."""
         cfg = self.config
-        keys = cfg.block_size
-        if cfg.window:
-            keys = min(keys, cfg.window + 1)
-        if cfg.attn == "moba":
-            keys = min(keys, (cfg.moba_topk + 1) * cfg.moba_block)
+        keys = keys_per_query(cfg.attn, cfg.block_size, cfg.window, **cfg.attn_options)
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * keys
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
@@ -395,21 +378,21 @@ class GPT(nn.Module):
 
         Sparse models: with a window, the cache is used but each step runs eagerly (the newest
         token through attention() with the window, against the cache's last window keys) and
-        without a CUDA graph, since the static decode step has no window. A MoBA model always runs
-        as use_cache=False.
+        without a CUDA graph, since the static decode step has no window. A backend that attends whole
+        sequences only (attention.Backend.kv_cache False) always runs as use_cache=False.
         """
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
-        if self.config.attn == "moba":
-            use_cache = False  # MoBA picks key blocks for a whole sequence at once: no form for one new query
+        if not get_backend(self.config.attn).kv_cache:
+            use_cache = False  # it attends a whole sequence at once: no form for one new query
         static_step = use_cache and not self.config.window  # decode_attention has no window
         if cuda_graph is None:
             cuda_graph = static_step and idx.device.type == "cuda"
         if cuda_graph and not (static_step and idx.device.type == "cuda"):
             raise ValueError(f"cuda_graph=True replays the static decode step on the GPU: it needs use_cache=True and "
-                             f"idx on a CUDA device, and a model without window or MoBA (got use_cache={use_cache}, "
+                             f"idx on a CUDA device, and a dense model without window (got use_cache={use_cache}, "
                              f"device {idx.device}, window={self.config.window}, attn={self.config.attn!r}); "
                              "leave cuda_graph=None to choose automatically")
         block_size = self.config.block_size
@@ -440,32 +423,49 @@ class GPT(nn.Module):
         return idx
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa", **sparse) -> "GPT":
+    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa", n_head: int | None = None, **settings) -> "GPT":
         """OpenAI's GPT-2 weights by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl or 124M ... 1.5B,
-        through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). A local
-        file's n_head, which no weight shape reveals, comes from a config.json beside it (as
-        save_pretrained writes), else from GPT-2's head size of 64. sparse: GPTConfig's window,
-        moba_block, moba_topk, to run the dense weights with sparse attention (fine-tuning, say)."""
+        through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). No weight shape reveals
+        a local file's n_head: it comes from the config.json beside it (as save_pretrained writes) or from
+        n_head=, and without either the load is refused rather than guessed. settings: GPTConfig's window and
+        attn_options, to run the dense weights with sparse attention (fine-tuning, say)."""
         name, path = PRESET_ALIASES.get(str(name_or_path), str(name_or_path)), Path(name_or_path)
         if name in PRESETS:
             state_dict, n_head = _download_hf_state_dict(name), PRESETS[name]["n_head"]
         elif path.is_file():
-            state_dict, config_file = _read_state_dict_file(path), path.parent / "config.json"
-            n_head = json.loads(config_file.read_text())["n_head"] if config_file.is_file() else None
+            state_dict = _read_state_dict_file(path)
+            n_head = n_head or _n_head_beside(path)
         else:
             raise ValueError(f"{name_or_path!r} is neither a GPT-2 name ({', '.join([*PRESETS, *PRESET_ALIASES])}) "
                              "nor an existing state dict file")
         state_dict = _with_transformer_prefix(state_dict)
+        if "transformer.wte.weight" not in state_dict or "transformer.wpe.weight" not in state_dict:
+            raise ValueError(f"{name_or_path} holds no GPT-2 token and position embeddings (transformer.wte.weight, "
+                             "transformer.wpe.weight); pass a GPT-2 state dict in Hugging Face's layout")
         vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
-        if n_head is None and n_embd % 64 != 0:
-            raise ValueError(f"cannot tell n_head for {path}: n_embd={n_embd} is not a multiple of GPT-2's head "
-                             "size 64; put the checkpoint's HF config.json beside it")
         n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
         config = GPTConfig(block_size=state_dict["transformer.wpe.weight"].shape[0], vocab_size=vocab_size,
-                           n_layer=n_layer, n_head=n_head or n_embd // 64, n_embd=n_embd, attn=attn, **sparse)
+                           n_layer=n_layer, n_head=n_head, n_embd=n_embd, attn=attn, **settings)
         model = cls(config)
         load_hf_state_dict(model, state_dict)
         return model
+
+
+def _n_head_beside(path: Path) -> int:
+    """n_head from the HF config.json beside a weights file; refused without one (a guess from the head size
+    would load a 4-head model as 2 heads without a word)."""
+    config_file = path.parent / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.json beside it, and n_head cannot be read off the weights; put the "
+                         "checkpoint's HF config.json beside it or pass n_head= (GPT.from_pretrained(path, n_head=12))")
+    try:
+        config = json.loads(config_file.read_text())
+        n_head = config.get("n_head", config.get("num_attention_heads"))
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"{config_file} is not a JSON config ({err}); restore it or pass n_head=") from None
+    if not isinstance(n_head, int) or n_head < 1:
+        raise ValueError(f"{config_file} gives no n_head (got {n_head!r}); fix it or pass n_head=")
+    return n_head
 
 
 # HF's GPT-2 uses Conv1D layers, which store weights as (in, out); nn.Linear stores (out, in)
@@ -489,13 +489,14 @@ def load_hf_state_dict(model: GPT, state_dict: dict) -> None:
     if missing or unexpected:
         raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}, unexpected "
                          f"{sorted(unexpected)[:5]}; HF GPT-2 weights need bias=True and the checkpoint's n_layer")
+    weights = {key: weight.t() if key.endswith(_CONV1D_WEIGHTS) else weight for key, weight in state_dict.items()}
+    for key, weight in weights.items():  # every shape checked before the first copy: no half-loaded model
+        if weight.shape != ours[key].shape:
+            raise ValueError(f"{key}: checkpoint shape {tuple(weight.shape)} != model shape "
+                             f"{tuple(ours[key].shape)}; build the model with the checkpoint's sizes (OpenAI's "
+                             "GPT-2 uses vocab_size=50257 and block_size=1024)")
     with torch.no_grad():
-        for key, weight in state_dict.items():
-            if key.endswith(_CONV1D_WEIGHTS):
-                weight = weight.t()
-            if weight.shape != ours[key].shape:
-                raise ValueError(f"{key}: checkpoint shape {tuple(weight.shape)} != model shape "
-                                 f"{tuple(ours[key].shape)}; OpenAI's GPT-2 uses vocab_size=50257 and block_size=1024")
+        for key, weight in weights.items():
             ours[key].copy_(weight)
 
 

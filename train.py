@@ -69,6 +69,13 @@ def pick_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
+    """TF32 for the float32 matmuls and convolutions that remain (tf32=true), or exact float32 (tf32=false)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+
+
 class StopSignal:
     """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves and exits cleanly.
     Stopping inside the handler could land in the middle of optimizer.step() and save weights
@@ -182,8 +189,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     # a different seed per rank gives each its own dropout masks; DDP copies rank 0's initial weights to all
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
         seed_fn(cfg.seed + world.rank)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for whatever fp32 matmuls remain
+    set_tf32(cfg, device)
     dtype = pick_dtype(cfg, device)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)

@@ -33,14 +33,13 @@ EVAL_CHUNK = 1 << 26
 
 def _default_block_size() -> int:
     # The kernel's tiles must divide the block (attention/triton_flash.py walks a block in tiles).
-    # On the GPU 64, not FlexAttention's 128: the tiles that suit a sparse call's short rows are 64 wide
-    # (benchmarks/tune_kernels.py --masks), and a 64-wide tile of a PARTIAL 128 block can hold no visible
-    # pair (half of a block on the diagonal or at a window's or document's edge) yet is loaded and
-    # computed; 64 blocks list only tiles that see something, and make FULL (unmasked) tiles of the rest
-    # (docs/flash_attention.md §10, measured in docs/perf_notes.md). The CPU interpreter's tiles are
-    # 16..32 rows, and its tests use short sequences, so a smaller block there still exercises
-    # skipping, full and partial blocks.
-    from .triton_flash import INTERPRET
+    # On the GPU 64, not FlexAttention's 128: the tiles that suit a sparse call's short rows are 64 wide,
+    # and a 64-wide tile of a PARTIAL 128 block can hold no visible pair (half of a block on the diagonal
+    # or at a window's or document's edge) yet is loaded and computed; 64 blocks list only tiles that see
+    # something, and make FULL (unmasked) tiles of the rest (docs/flash_attention.md §10; its effect:
+    # docs/perf_notes.md). The CPU interpreter's tiles are 16..32 rows, and its tests use short sequences,
+    # so a smaller block there still exercises skipping, full and partial blocks.
+    from .triton_support import INTERPRET
 
     return 32 if INTERPRET else 64
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .registry import get_backend
-from .validate import check_qkv
+from .inputs import check_qkv
 
 CACHE_LEN_DTYPES = (torch.int32, torch.int64)
 
@@ -37,7 +37,9 @@ def decode_attention(
     the masked values by exactly 0, so the buffer past cache_len must hold finite numbers (zeros,
     say), not uninitialised memory. Returns (B, Hq, 1, D) in q's dtype.
     """
-    get_backend(backend)  # an unknown name gets the registry's error, listing the backends
+    if not get_backend(backend).kv_cache:  # an unknown name gets the registry's error, listing the backends
+        raise ValueError(f"backend {backend!r} attends whole sequences only and has no KV-cache decode step; "
+                         "decode with a dense backend (sdpa, triton) or re-run the whole context")
     check_qkv(q, k_cache, v_cache, scale)
     _check_decode_inputs(q, k_cache, cache_len)
     if scale is None:
@@ -45,9 +47,9 @@ def decode_attention(
     if backend == "triton":
         # imported on first use, as in registry.py: Triton reads TRITON_INTERPRET at import time
         from .triton_decode import decode
-        from .triton_op import _check_kernel_support
+        from .triton_support import check_triton_support
 
-        _check_kernel_support(q)
+        check_triton_support(q)
         return decode(q, k_cache, v_cache, cache_len, float(scale))
     return _masked_decode(q, k_cache, v_cache, cache_len, float(scale), explicit=backend == "naive")
 
@@ -69,8 +71,6 @@ def _check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, cache_len) -> N
     if cache_len.device != q.device:
         raise ValueError(f"cache_len is on {cache_len.device} but q is on {q.device}; keep it on q's device, where "
                          "the step reads it without a host sync")
-    if k_cache.shape[2] == 0:
-        raise ValueError("the KV cache has max_len 0; allocate (B, Hkv, max_len, D) buffers with max_len >= 1")
 
 
 def _masked_decode(q, k_cache, v_cache, cache_len, scale: float, explicit: bool) -> torch.Tensor:

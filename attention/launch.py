@@ -1,10 +1,9 @@
-"""Launching a Triton kernel with less host time than `kernel[grid](*args)` (docs/perf_notes.md, "Issue 6: host time").
+"""Launching a Triton kernel with less host time than `kernel[grid](*args)` (docs/perf_notes.md, "Host time").
 
 Triton compiles a kernel once per *specialisation* of its arguments: each tensor's dtype and whether its address is a
 multiple of 16 bytes, each integer's being 1 or a multiple of 16, each descriptor's dtype, block and layout, and the
 constexprs. `kernel[grid](*args)` works that out from every argument on every call, looks the variant up and only then
-launches: 10-60 us of host time per launch on the H200 box, where our kernels' GPU time at GPT-2's shape is 90-280 us
-for a whole forward or backward, so an eager call could take longer to issue than to run.
+launches: at small shapes such as GPT-2's, an eager call could take longer to issue than to run.
 
 `launch` keeps each compiled variant under a *launch key* made of the same facts taken finer: the integers' values
 themselves (not just "1" or "a multiple of 16"), each tensor's dtype and 16-byte alignment, each descriptor's dtype,
@@ -15,17 +14,16 @@ cache. Floats (the softmax scale) are never specialised and stay out of the key.
 no compiled kernel to keep: every call goes through kernel[grid].
 
 Working out the key still costs host time (~45 arguments, descriptors among them). A caller that already knows its
-next calls specialise as this one did (triton_flash's launch plans: same shapes, strides, dtype and alignment) skips
+next calls specialise as this one did (triton_dispatch's launch plans: same shapes, strides, dtype and alignment) skips
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key.
 """
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from .triton_support import INTERPRET
+
 _PLAIN = (int, str, type(None))  # arguments that are their own key (not bool: True == 1 in a key, not to Triton)
 MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again
 

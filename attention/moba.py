@@ -10,6 +10,7 @@ gradient flows through the attention over the chosen keys.
 
     selection = moba_select(q, k, block_size, topk)       # (B, Hq, T, topk + 1) block indices
     y = moba_attention(q, k, v, block_size=512, topk=3)   # the Triton kernel on the selection
+    y = attention(q, k, v, backend="moba", moba_block=512, moba_topk=3)   # the same, as a registry backend
 """
 import torch
 import torch.nn.functional as F
@@ -17,17 +18,23 @@ import torch.nn.functional as F
 from .compiled import compiled_attention
 from .masks import causal_mask
 from .naive import naive_attention
-from .validate import check_qkv
+from .inputs import check_qkv
 
 # Dense references of the same selection, for tests and for machines without the kernel
 REFERENCE_BACKENDS = ("naive", "compile", "sdpa")
 
 
-def _check_moba_args(q: torch.Tensor, k: torch.Tensor, block_size, topk) -> None:
-    if not (isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 16):
-        raise ValueError(f"block_size must be an int >= 16 (keys per MoBA block; the paper uses 512), got {block_size!r}")
-    if not (isinstance(topk, int) and not isinstance(topk, bool) and topk >= 0):
-        raise ValueError(f"topk must be an int >= 0 (past blocks each query reads besides its own), got {topk!r}")
+def check_moba_options(moba_block, moba_topk) -> None:
+    if not (isinstance(moba_block, int) and not isinstance(moba_block, bool) and moba_block >= 16):
+        raise ValueError(f"moba_block must be an int >= 16 (keys per MoBA block; the paper uses 512, the GPU kernel "
+                         f"takes multiples of 128), got {moba_block!r}")
+    if not (isinstance(moba_topk, int) and not isinstance(moba_topk, bool) and moba_topk >= 0):
+        raise ValueError(f"moba_topk must be an int >= 0 (earlier blocks each query reads besides its own), "
+                         f"got {moba_topk!r}")
+
+
+def check_moba_args(q: torch.Tensor, k: torch.Tensor, block_size, topk) -> None:
+    check_moba_options(block_size, topk)
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"MoBA is training-time self-attention: q and k must have the same length, got Tq={q.shape[2]} and "
@@ -56,7 +63,7 @@ def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) ->
     block), -1 in slots left empty (a query in block n has only n past blocks). Query head h reads kv
     head h // (Hq // Hkv). The last block may be shorter than block_size; its mean is over its keys."""
     check_qkv(q, k, k, None)
-    _check_moba_args(q, k, block_size, topk)
+    check_moba_args(q, k, block_size, topk)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     n_blocks = -(-T // block_size)
@@ -98,21 +105,43 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     backend "triton": the block-sparse kernel reads only the selected blocks. "naive", "compile",
     "sdpa": the same selection applied as a dense (T, T) mask, O(T^2) memory: references for tests.
     """
+    check_qkv(q, k, v, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return moba_backend(q, k, v, True, scale, block_size, topk, backend)
+
+
+def moba_backend(q, k, v, causal: bool, scale: float, moba_block: int = 512, moba_topk: int = 3,
+                 backend: str = "triton") -> torch.Tensor:
+    """The registry's "moba" backend (attention(..., backend="moba", moba_block=..., moba_topk=...)) on inputs
+    check_qkv passed: moba_attention with the registry's argument names."""
     if backend != "triton" and backend not in REFERENCE_BACKENDS:
         raise ValueError(f"moba_attention runs on backend 'triton' or a dense reference {REFERENCE_BACKENDS}, "
                          f"got {backend!r}")
-    check_qkv(q, k, v, scale)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not causal:
+        raise ValueError("MoBA is causal attention (each query reads its own block under the causal mask and "
+                         "earlier blocks); call it with causal=True")
+    check_moba_args(q, k, moba_block, moba_topk)
     if backend == "triton":
         # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
-        from .triton_moba import moba_gate, moba_triton
+        from .triton_moba import GATE_MAX_BLOCKS, moba_gate, moba_triton
+        from .triton_support import check_triton_support
 
-        return moba_triton(q, k, v, moba_gate(q, k, block_size, topk), block_size, scale)
-    selection = moba_select(q, k, block_size, topk)
-    visible = moba_mask(selection, block_size, k.shape[2])
+        check_triton_support(q)
+        if -(-q.shape[2] // moba_block) > GATE_MAX_BLOCKS:  # very long sequences: the unfused router
+            selection = moba_select(q, k, moba_block, moba_topk)
+        else:
+            selection = moba_gate(q, block_means(k, moba_block), moba_block, moba_topk)
+        return moba_triton(q, k, v, selection, moba_block, scale)
+    selection = moba_select(q, k, moba_block, moba_topk)
+    visible = moba_mask(selection, moba_block, k.shape[2])
     if backend == "sdpa":
         # every query sees at least itself (its own block, causal), so no row is empty and needs zeroing
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
     reference = naive_attention if backend == "naive" else compiled_attention
     return reference(q, k, v, causal=True, scale=scale, visible=visible)
+
+
+def moba_keys_per_query(moba_block: int = 512, moba_topk: int = 3) -> int:
+    """The most keys a MoBA query reads: its own block and moba_topk earlier ones (for MFU, model.py)."""
+    return (moba_topk + 1) * moba_block

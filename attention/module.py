@@ -1,9 +1,9 @@
-"""attention() as an nn.Module, for models that compose layers: the backend, causal flag and scale
-are fixed at construction (and checked there), the tensors come in forward."""
+"""attention() as an nn.Module, for models that compose layers: the backend, its options, the causal flag and
+the scale are fixed at construction (and checked there), the tensors come in forward."""
 import torch
 import torch.nn as nn
 
-from .registry import attention, get_backend
+from .registry import attention, backend_options
 
 
 class Attention(nn.Module):
@@ -13,13 +13,15 @@ class Attention(nn.Module):
         y = attn(q, k, v)                           # (B, Hq, Tq, D)
     """
 
-    def __init__(self, backend: str = "sdpa", causal: bool = True, scale: float | None = None):
+    def __init__(self, backend: str = "sdpa", causal: bool = True, scale: float | None = None, **options):
         super().__init__()
-        get_backend(backend)  # an unknown name fails here, when the model is built, not at the first step
+        # an unknown name or option fails here, when the model is built, not at the first step
+        self.options = backend_options(backend, **options)
         self.backend, self.causal, self.scale = backend, causal, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend)
+        return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, **self.options)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, causal={self.causal}, scale={self.scale}"
+        options = "".join(f", {name}={value}" for name, value in self.options.items())
+        return f"backend={self.backend!r}, causal={self.causal}, scale={self.scale}{options}"

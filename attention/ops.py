@@ -6,8 +6,7 @@ Declared with torch.library's low-level API (define, impl, register_fake) rather
 torch.library.custom_op: custom_op wraps every call in Python layers (an autograd kernel that
 redispatches, a wrapper that turns dynamo off and on, a check that outputs alias no input) which
 these ops need none of: autograd lives in the torch.autograd.Functions around them, and they always
-return new tensors. In a profile of a compiled GPT-2 layer on the H200 box they took the largest share
-of the ops' host time (docs/perf_notes.md, the training-step section, "Host time").
+return new tensors, and the layers cost host time on every call (docs/perf_notes.md, "Host time").
 """
 import torch
 

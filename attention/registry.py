@@ -1,22 +1,49 @@
-"""One call for every backend: attention(q, k, v, causal=True, scale=None, backend="sdpa", ...)."""
-from collections.abc import Callable
+"""One call for every backend: attention(q, k, v, causal=True, scale=None, backend="sdpa", ...).
+
+A backend is a function and what it can do (Backend): the model and the benchmarks treat every backend one way and
+ask this table what a backend takes (masks, a packed qkv tensor, options of its own) instead of naming backends.
+"""
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from .block_mask import BlockMask
 from .compiled import compiled_attention
+from .inputs import check_qkv, check_qkv_packed, unpack_qkv
 from .masks import check_document_ids, check_window
+from .moba import check_moba_options, moba_backend, moba_keys_per_query
 from .naive import naive_attention
 from .sdpa import sdpa_attention
-from .validate import check_qkv
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention implementation: fn(q, k, v, causal, scale, **extras) -> (B, Hq, Tq, D) on checked
+    (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors, and what it takes besides."""
+    fn: Callable
+    supports_masks: bool = False  # takes mask=: a BlockMask holding the call's window / documents / block mask
+    packed: bool = False  # takes qkv=: the (B, T, 3, nh, hs) tensor q, k, v are views of (attention_qkvpacked)
+    options: Mapping[str, int] = field(default_factory=dict)  # keyword options of its own, with their defaults
+    exact: bool = True  # softmax attention itself: exact backends differ from each other by rounding only
+    kv_cache: bool = True  # takes fewer queries than keys (a KV cache); False: whole sequences only, Tq == Tk
+    keys_per_query: Callable | None = None  # **options -> the most keys one query reads, where the backend bounds it
+    check_options: Callable | None = None  # **options -> None, or a ValueError naming a bad value
+    check_device: Callable | None = None  # device -> None, or a ValueError naming the backends that run there
 
 
 def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None):
-    # Imported on first use: Triton decides at import time whether its kernels run compiled on the
-    # GPU or in the CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
+    # Imported on first use: Triton decides at import time whether its kernels run compiled on the GPU or in the
+    # CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
     from .triton_op import triton_attention
 
     return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv)
+
+
+def _check_triton_device(device: torch.device) -> None:
+    from .triton_support import check_triton_device  # on first use, as _triton_attention's import
+
+    check_triton_device(device)
 
 
 def _with_dense_mask(fn: Callable) -> Callable:
@@ -29,16 +56,16 @@ def _with_dense_mask(fn: Callable) -> Callable:
     return masked
 
 
-# name -> fn(q, k, v, causal, scale[, mask]) on validated (B, Hq, Tq, D) / (B, Hkv, Tk, D) tensors
-_BACKENDS: dict[str, Callable] = {
-    "naive": _with_dense_mask(naive_attention),
-    "compile": _with_dense_mask(compiled_attention),
-    "sdpa": _with_dense_mask(sdpa_attention),
-    "triton": _triton_attention,
+_BACKENDS: dict[str, Backend] = {
+    "naive": Backend(_with_dense_mask(naive_attention), supports_masks=True),
+    "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True),
+    "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True),
+    "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device),
+    # MoBA (moba.py, §11): causal attention to the blocks each query selects; another function than the others
+    "moba": Backend(moba_backend, options={"moba_block": 512, "moba_topk": 3}, exact=False, kv_cache=False,
+                    keys_per_query=moba_keys_per_query, check_options=check_moba_options,
+                    check_device=_check_triton_device),
 }
-_SUPPORTS_MASKS = {"naive", "compile", "sdpa", "triton"}
-# backends that also take qkv=, the packed tensor q, k, v are views of (attention_qkvpacked)
-_TAKES_PACKED = {"triton"}
 # (Tq, Tk, causal, window, device) -> BlockMask: a model passes the same window to every layer
 _rule_masks: dict[tuple, BlockMask] = {}
 
@@ -47,24 +74,45 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def register_backend(name: str, fn: Callable, supports_masks: bool = False) -> None:
-    """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D). With supports_masks it is also
-    called as fn(q, k, v, causal, scale, mask=block_mask) for window / document / block-mask calls
-    (mask: an attention.BlockMask that already holds the causal rule)."""
+def register_backend(name: str, fn: Callable, supports_masks: bool = False, **abilities) -> None:
+    """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D). With supports_masks it is also called as
+    fn(q, k, v, causal, scale, mask=block_mask) for window / document / block-mask calls (mask: an
+    attention.BlockMask that already holds the causal rule). abilities: Backend's other fields (packed, options,
+    exact, kv_cache, keys_per_query, check_options, check_device)."""
     if name in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is already registered")
-    _BACKENDS[name] = fn
-    if supports_masks:
-        _SUPPORTS_MASKS.add(name)
+    _BACKENDS[name] = Backend(fn, supports_masks, **abilities)
 
 
-def get_backend(name: str) -> Callable:
+def get_backend(name: str) -> Backend:
     try:
         return _BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of: {', '.join(available_backends())}"
         ) from None
+
+
+def backend_options(name: str, **options) -> dict:
+    """The backend's own options, its defaults filled in, or a ValueError naming the ones it takes."""
+    spec = get_backend(name)
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        takes = f"its options are {', '.join(spec.options)}" if spec.options else "it takes no options"
+        raise ValueError(f"attention backend {name!r} got unknown option(s) {unknown}; {takes}")
+    options = {**spec.options, **options}
+    if spec.check_options is not None:
+        spec.check_options(**options)
+    return options
+
+
+def keys_per_query(name: str, T: int, window: int = 0, **options) -> int:
+    """The most keys one of T causal queries reads: T, window + 1 with a sliding window, or the backend's own bound
+    (MoBA's selected blocks). Training's MFU credits a sparse model with this work, not the dense work it skips."""
+    keys = T if not window else min(T, window + 1)
+    options = backend_options(name, **options)
+    bound = get_backend(name).keys_per_query
+    return keys if bound is None else min(keys, bound(**options))
 
 
 def attention(
@@ -78,6 +126,7 @@ def attention(
     window: tuple[int, int] | None = None,
     document_ids: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    **options,
 ) -> torch.Tensor:
     """Scaled dot-product attention softmax(q k^T * scale) v.
 
@@ -90,13 +139,9 @@ def attention(
         documents. The queries are the last Tq positions.
     block_mask: an attention.BlockMask (from a mask function or a block layout), built once and
         reused across layers and calls.
+    options: the backend's own (backend_options), e.g. backend="moba", moba_block=512, moba_topk=3.
     """
-    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask)
-
-
-def unpack_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T, 3, nh, hs) -> q, k, v (B, nh, T, hs), strided views of it (no copy)."""
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options)
 
 
 def attention_qkvpacked(
@@ -108,40 +153,40 @@ def attention_qkvpacked(
     window: tuple[int, int] | None = None,
     document_ids: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    **options,
 ) -> torch.Tensor:
     """attention() on q, k, v packed in one (B, T, 3, nh, hs) tensor: a fused qkv projection's (B, T, 3C)
     output viewed as .view(B, T, 3, nh, C // nh), the layout FlashAttention's qkvpacked functions take.
-    Returns (B, nh, T, hs) like attention(). The triton backend then returns the gradient of qkv as one
-    tensor from its backward; given q, k, v as three views, autograd concatenates three gradients into it,
-    a copy of qkv's size per call (the other backends still do that)."""
-    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
-        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
-        raise ValueError(f"qkv must be (batch, seq_len, 3, heads, head_dim), got {shape}; view a fused projection's "
-                         "(B, T, 3 * C) output with .view(B, T, 3, n_head, C // n_head)")
+    Returns (B, nh, T, hs) like attention(). A backend that takes the packed tensor (triton) then returns the
+    gradient of qkv as one tensor from its backward; given q, k, v as three views, autograd concatenates three
+    gradients into it, a copy of qkv's size per call (the other backends still do that)."""
+    check_qkv_packed(qkv)
     q, k, v = unpack_qkv(qkv)
-    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask,
-                      qkv if backend in _TAKES_PACKED else None)
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv)
 
 
-def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, qkv=None):
-    """attention(); qkv: the packed tensor q, k, v are views of, for a backend in _TAKES_PACKED."""
-    fn = get_backend(backend)
-    packed = {} if qkv is None else {"qkv": qkv}
+def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv=None):
+    """attention(); qkv: the packed tensor q, k, v are views of, passed on to a backend that takes it."""
+    spec = get_backend(backend)
     check_qkv(q, k, v, scale)
+    extras = backend_options(backend, **options) if options or spec.options else {}
+    if qkv is not None and spec.packed:
+        extras["qkv"] = qkv
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if window in (None, (-1, -1)) and document_ids is None and block_mask is None:
-        if causal and q.shape[2] == 1:
+        if causal and q.shape[2] == 1 and spec.kv_cache:
             # one query, aligned bottom-right, is the last position and sees every key: the causal mask
             # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
             # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
             causal = False
-        return fn(q, k, v, causal=causal, scale=float(scale), **packed)
-    if backend not in _SUPPORTS_MASKS:
+        return spec.fn(q, k, v, causal=causal, scale=float(scale), **extras)
+    if not spec.supports_masks:
+        masked = [name for name, other in sorted(_BACKENDS.items()) if other.supports_masks]
         raise ValueError(f"backend {backend!r} does not support window / document_ids / block_mask; "
-                         f"use one of: {', '.join(sorted(_SUPPORTS_MASKS))}")
+                         f"use one of: {', '.join(masked)}")
     mask = _sparse_mask(q, k, causal, window, document_ids, block_mask)
-    return fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask, **packed)
+    return spec.fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask, **extras)
 
 
 def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:

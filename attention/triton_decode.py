@@ -27,20 +27,13 @@ the buffer's max_len, so one launch configuration serves every step, which is wh
 GPT.generate capture the step in a CUDA graph. Splits past cache_len find an empty key range and
 only write lse = -inf; the ragged end of the last non-empty split is masked.
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_flash import (
-    INTERPRET,
-    LOG2E,
-    SMEM_BUDGET,
-    _head_base,
-    _load_rows,
-    smem_bytes,
-)
+from .triton_flash import LOG2E, head_base, load_rows
+from .triton_support import INTERPRET, sm_count
+from .triton_tuner import SMEM_BUDGET, smem_bytes
 
 # Launch shape on the GPU. One query row per head makes the program short on math: 4 warps are
 # plenty, and 2 stages keep the next K/V tile's load in flight. Key tiles: the largest of these
@@ -64,11 +57,8 @@ def _block_n(block_g: int, block_d: int, elem_bytes: int) -> int:
     return fits[0] if fits else BLOCK_N_CHOICES[-1]
 
 
-@functools.lru_cache
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device) if device.type == "cuda" else INTERPRETER_SMS
 
 
 def split_plan(max_len: int, programs: int, num_sms: int, block_n: int) -> tuple[int, int]:
@@ -106,18 +96,18 @@ def _decode_split(Q, K, V, CACHE_LEN, O_PART, LSE_PART,
     # h_kv*GROUP + g, one stride_qh further on (q's Tq axis has length 1 and drops out).
     rows = tl.arange(0, BLOCK_G)  # (G,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
-    q = _load_rows(_head_base(Q, b, h_kv * GROUP, stride_qb, stride_qh), rows, GROUP, stride_qh, cols, stride_qd,
+    q = load_rows(head_base(Q, b, h_kv * GROUP, stride_qb, stride_qh), rows, GROUP, stride_qh, cols, stride_qd,
                    HEAD_DIM, True)  # (G, D); padding rows read 0 and are never stored
-    K = _head_base(K, b, h_kv, stride_kb, stride_kh)
-    V = _head_base(V, b, h_kv, stride_vb, stride_vh)
+    K = head_base(K, b, h_kv, stride_kb, stride_kh)
+    V = head_base(V, b, h_kv, stride_vb, stride_vh)
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-        k = _load_rows(K, k_pos, end, stride_kt, cols, stride_kd, HEAD_DIM, True)  # (N, D); rows >= end read 0
-        v = _load_rows(V, k_pos, end, stride_vt, cols, stride_vd, HEAD_DIM, True)  # (N, D)
+        k = load_rows(K, k_pos, end, stride_kt, cols, stride_kd, HEAD_DIM, True)  # (N, D); rows >= end read 0
+        v = load_rows(V, k_pos, end, stride_vt, cols, stride_vd, HEAD_DIM, True)  # (N, D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (G, N), fp32 sums
         s = tl.where(k_pos[None, :] < end, qk * qk_scale, float("-inf"))  # base-2 scores; keys past end masked
         # §2 online softmax. Every tile in [start, end) holds at least one key below end, so m_new
@@ -156,7 +146,7 @@ def _decode_merge(O_PART, LSE_PART, O, stride_ob, stride_oh, stride_od, Hq, num_
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # (S,)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o_part, 0) / tl.where(total > 0, total, 1.0)  # (D,)
-    O = _head_base(O, b, h, stride_ob, stride_oh)
+    O = head_base(O, b, h, stride_ob, stride_oh)
     tl.store(O + cols * stride_od, out.to(O.dtype.element_ty), mask=cols < HEAD_DIM)
 
 
@@ -180,7 +170,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
         0 if cache_len.numel() == 1 else cache_len.stride(0),  # one length shared by every row
         Hkv, group, max_len, keys_per_split, num_splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
-        # as in triton_flash: exact fp32 products for fp32 inputs, TF32 would cost ~1e-3
+        # as in triton_dispatch: exact fp32 products for fp32 inputs (§8)
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge[(B * Hq,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(3), Hq, num_splits,

@@ -1,7 +1,7 @@
 """The forward pass on Hopper (H100, H200), warp-specialized: FlashAttention-3's layout, in Gluon (§12).
 
-The math is triton_flash.py's forward (§2 online softmax, §4 log-sum-exp, §6 causal alignment, §8 exp2
-and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
+The math is the `tl` forward's, triton_flash.attn_fwd (§2 online softmax, §4 log-sum-exp, §6 causal alignment,
+§8 exp2 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
 multiplies and runs the softmax in turn. Here a program takes work items, 128 or 192 query rows of one (batch,
 head) each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
 
@@ -15,11 +15,9 @@ head) each (one item, or with a persistent grid a share of them in pairs: _work_
 
 `tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization
 hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
-layouts, shared memory, barriers and warp partitions explicit. The tuner of triton_flash.forward times
-this kernel against the `tl` one on sm_90 and keeps the faster for each shape; on the H200 that is this
-kernel on every cell of the benchmark grid, GPT-2's included (the grids' tuner tables). Gluon has no CPU
-interpreter: its tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90
-(benchmarks/hopper_build.py).
+layouts, shared memory, barriers and warp partitions explicit. triton_dispatch.forward's tuner times this
+kernel against the `tl` one on sm_90 and keeps the faster for each shape. Gluon has no CPU interpreter: its
+tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90 (benchmarks/hopper_build.py).
 
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land). K and V
 share one ring of K_STAGES slots (K_STAGES == V_STAGES), or each has its own (split rings, V_STAGES < K_STAGES: the
@@ -35,18 +33,16 @@ The j-th key tile a program loads (counted over its items) lives in slot j % slo
 (j // slots) & 1. No barrier spans the whole program, so no warpgroup waits for another.
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import Launched, launch
+from .triton_support import INTERPRET, is_hopper, sm_count
 
-# Triton decides at import whether kernels run compiled or in its CPU interpreter, which has no Gluon
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Gluon is experimental and its API moves between releases: this file is written for, and compiled with, Triton
-# 3.6 (the GPU box) and 3.9 (CI). Older Triton has no Gluon or another API; the `tl` forward then runs everywhere.
+# Gluon is experimental and its API moves between releases: this file is written for, and compiles with, Triton
+# 3.6 and 3.9. Older Triton has no Gluon or another API; the `tl` forward then runs everywhere.
 gluon = None
 if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
     from triton.experimental import gluon
@@ -58,11 +54,12 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
 # (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) per head dim: K and V tiles of BLOCK_N rows in rings of
 # K_STAGES and V_STAGES slots (one ring for both where they are equal); CONSUMERS warpgroups of 64 query rows each, so
 # work items (query tiles) of 64 * CONSUMERS rows; a program per item, or with PERSISTENT one per SM walking its share
-# of them in pairs (`_work_item`). The ones that won a cell in benchmarks/results/2026-11-22-h200-causal-pairs/
-# (pairs.jsonl) and, with three consumers (FlashAttention-3's tile at head dim 64), in
-# benchmarks/results/2026-11-22-h200-three-consumers/ (T >= 4k; at T=1k a 192-row tile leaves two thirds of the last
-# one empty). Three need S, P and O of 64 rows in 160 registers: too few at hs=128. hs=128's split-ring tile, V in 2
-# slots and O staged, won the non-causal T=1k cell (benchmarks/results/2026-11-23-h200-kv-rings/).
+# of them in pairs (`_work_item`). triton_dispatch.forward's tuner times them and keeps the fastest per shape; each
+# one listed is the fastest on some shape (docs/perf_notes.md, 'pairs of work items', 'three consumers', 'split
+# rings'). Three consumers (FlashAttention-3's tile at head dim 64) serve long sequences: where 192 does not divide
+# T, the last item of each head is partly empty (at T = 1024, two thirds of it) yet takes as long as its busy
+# consumer (§12 "Three consumers at hs=64"). Three need S, P and O of 64 rows in 160 registers: too few at hs=128.
+# hs=128's split-ring tile, V in 2 slots, frees the shared memory that O's staging tiles take (§12 "Split rings").
 TILES = {64: [(128, 3, 3, True, 2), (128, 3, 3, False, 2), (128, 2, 2, True, 2), (128, 3, 3, True, 3),
               (128, 3, 3, False, 3)],
          128: [(128, 3, 3, True, 2), (64, 3, 3, True, 2), (128, 3, 2, True, 2)]}
@@ -77,15 +74,15 @@ SHARED_BYTES = tl.constexpr(227 * 1024 - 2048)
 
 
 if gluon is not None:
-    # Triton 3.9 renamed the TMA load and store; this file compiles with 3.6 (the GPU box) and 3.9 (CI)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # Triton 3.9 renamed the TMA load and store; these names serve 3.6 and 3.9 alike
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @triton.constexpr_function
     def _o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
         """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K and V
         rings, 16-bit elements; not at hs=128 with 128-key tiles in 3 + 3 slots: there the consumers store O from
-        registers (in 3 + 2 slots, split rings, it fits). _attn_fwd_ws allocates by it and _softmax_rows stores by
+        registers (in 3 + 2 slots, split rings, it fits). attn_fwd_ws allocates by it and _softmax_rows stores by
         it."""
         rows = (q_buffers + 1) * consumers * ROWS + (k_stages + v_stages) * block_n
         return rows * head_dim * 2 <= SHARED_BYTES
@@ -141,7 +138,7 @@ if gluon is not None:
             mbarrier.wait(q_empty.index(buffer), ((item // Q_BUFFERS) & 1) ^ 1)
             mbarrier.expect(q_ready.index(buffer), CONSUMERS * q_desc.block_type.nbytes)
             for wg in gl.static_range(CONSUMERS):
-                _tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
+                tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
                           q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
             for j in range(n_tiles):
                 if SPLIT:
@@ -151,7 +148,7 @@ if gluon is not None:
                                    [b, h // GROUP, (j - 1) * BLOCK_N, 0], 1)
                 else:
                     slot = _load_tile(k_desc, k_smem, k_ready, k_empty, loaded + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
-                    _tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
+                    tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
                               v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
             if SPLIT:
                 _load_tile(v_desc, v_smem, v_ready, v_empty, loaded + n_tiles - 1,
@@ -167,7 +164,7 @@ if gluon is not None:
         slot = t % SLOTS
         mbarrier.wait(empty.index(slot), ((t // SLOTS) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), tiles * desc.block_type.nbytes)
-        _tma_load(desc, coord, ready.index(slot), ring.index(slot).reshape([1, 1, ring.shape[1], ring.shape[2]]))
+        tma_load(desc, coord, ready.index(slot), ring.index(slot).reshape([1, 1, ring.shape[1], ring.shape[2]]))
         return slot
 
     @gluon.jit
@@ -206,7 +203,7 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
-        """§2 the online softmax over one key tile's scores s (ROWS, N), as in triton_flash._fwd_tile: -> P, alpha
+        """§2 the online softmax over one key tile's scores s (ROWS, N), as in triton_flash.fwd_tile: -> P, alpha
         (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
@@ -220,7 +217,7 @@ if gluon is not None:
                       diag, qk_scale):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
         and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
-        _attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
+        attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
         K_STAGES: gl.constexpr = k_smem.shape[0]
         V_STAGES: gl.constexpr = v_smem.shape[0]
         SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
@@ -230,7 +227,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N,
-                                           HEAD_DIM)  # as _attn_fwd_ws allocated
+                                           HEAD_DIM)  # as attn_fwd_ws allocated
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -239,16 +236,17 @@ if gluon is not None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-        # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory:
-        # with both operands there, a 64-key tile asks shared memory for all the bytes per clock it has. Measured
-        # +1-4% at hs=128; -1-3% at hs=64, where the softmax, not shared memory, is the busier unit (perf notes).
+        # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory,
+        # the busier unit at hs=128: with both operands there, a 64-key tile asks shared memory for all the bytes per
+        # clock it has. At hs=64 the softmax is the busier unit, and Q stays in shared memory (§12 "Overlap inside a
+        # consumer"; faster at hs=128, slower at hs=64: docs/perf_notes.md, 'hs=128: Q in registers').
         Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
         q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
-        # first warpgroup's rows) taken by that half only: S of N/2 columns, the same rows in each thread. Measured
-        # +1-2% at hs=64 causal T=1k with two consumers; with three, and at hs=128, the builds' main loops came out
-        # of ptxas slower (-2% to -6%): there the tile is taken whole (§12 "Half a tile at the diagonal"). So where
-        # the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
+        # first warpgroup's rows) is taken by that half only: S of N/2 columns, the same rows in each thread. Only at
+        # hs=64 with two consumers: with three, and at hs=128, ptxas schedules the builds' main loops worse and the
+        # tile is taken whole (§12 "Half a tile at the diagonal"; docs/perf_notes.md, 'half a tile at the
+        # diagonal'). So where the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
         HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
         HALF_N: gl.constexpr = BLOCK_N // 2
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -260,8 +258,8 @@ if gluon is not None:
             first_row = start_m + WG * ROWS
             # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
             # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
-            # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: at T=1k with three
-            # consumers, two of them) store nothing: they take one tile and release the others unread.
+            # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
+            # and Tq = 1024, two of them) store nothing: they take one tile and release the others unread.
             n_mine = gl.where(first_row < Tq,
                               gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1), 1)
             mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
@@ -274,7 +272,7 @@ if gluon is not None:
             if Q_IN_REGISTERS:
                 q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
                 # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
-                # fence the next item's Q may land before they are done (§12; wrong rows in 6-42% of launches)
+                # fence the next item's Q may land before they are done, and rows come out wrong (§12)
                 fence_async_shared()
                 mbarrier.arrive(q_empty.index(buffer), count=1)  # Q read: the next item's may load
             else:
@@ -309,7 +307,8 @@ if gluon is not None:
                     s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
-                # other warpgroup's matmuls, not its own; forcing this order measured no faster (§12, perf notes)
+                # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
+                # tensor cores fed for each other (§12 "Overlap inside a consumer")
                 acc = warpgroup_mma_wait(0, deps=[o_token])
                 mbarrier.arrive(v_empty.index(v_slot), count=1)  # done with V_{j-1} (one ring: K_{j-1} too): refill
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -317,7 +316,8 @@ if gluon is not None:
             # every wgmma of the kernel
             if HALF_TILES and n_full < n_mine:
                 # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
-                # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile")
+                # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile at the
+                # diagonal")
                 prev = k_slot
                 k_slot = _wait_tile(k_smem, k_ready, seen_tiles + n_full)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
@@ -362,13 +362,14 @@ if gluon is not None:
             rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
             if O_STAGED:
                 # O by the copy engine, which leaves out rows past Tq: the tile goes to shared memory (once the
-                # last item's store has read it), and the warpgroup goes on. Stored from registers, 4-byte pieces
-                # 8 rows apart, O took 1.4 us per item at hs=64 and 2.4 at hs=128 (§12, perf notes)
+                # last item's store has read it), and the warpgroup goes on. Stored from registers, O leaves in
+                # 4-byte pieces 8 rows apart, many narrow writes the warpgroup waits out (§12 "O leaves by the
+                # copy engine")
                 o_tile = o_smem.index(WG)
                 tma.store_wait(0)
                 o_tile.store((acc / l_safe[:, None]).to(o_desc.dtype))
                 fence_async_shared()  # the stores, visible to the copy engine
-                _tma_store(o_desc, [bh // H, bh % H, first_row, 0], o_tile.reshape([1, 1, ROWS, HEAD_DIM]))
+                tma_store(o_desc, [bh // H, bh % H, first_row, 0], o_tile.reshape([1, 1, ROWS, HEAD_DIM]))
             else:
                 cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
                 o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
@@ -404,7 +405,7 @@ if gluon is not None:
                       O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
 
     @gluon.jit
-    def _attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
+    def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
                      scale, n_work, per_turn, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                      CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
@@ -463,19 +464,9 @@ if gluon is not None:
                                 (_load_tiles, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-@functools.cache
-def _is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def tma_can_read(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) reads these tensors: unit stride along the head dim, every other stride
-    and the start 16-byte aligned (also the `tl` forward's descriptor loads' rule, triton_flash._use_tma)."""
+    and the start 16-byte aligned (also the `tl` forward's descriptor loads' rule, triton_dispatch.use_tma)."""
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
 
@@ -483,11 +474,11 @@ def tma_can_read(*tensors: torch.Tensor) -> bool:
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
     """Whether this kernel can run the call: Gluon present, an sm_90 GPU (wgmma is Hopper's alone), a dense
     mask, fp16/bf16, head dim 64 or 128, and tensors the copy engine reads. Anything else takes the `tl` forward."""
-    if gluon is None or INTERPRET:  # the interpreter does not run Gluon
+    if gluon is None or INTERPRET:  # Gluon has no CPU interpreter
         return False
     if not dense or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in TILES:
         return False
-    return _is_hopper(q.device) and tma_can_read(q, k, v)
+    return is_hopper(q.device) and tma_can_read(q, k, v)
 
 
 @functools.cache
@@ -509,7 +500,7 @@ def descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "Tenso
 
 def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
     """desc reading t instead: for a tensor of desc's dtype, shape, strides and alignment (a launch plan's key
-    promises them, triton_flash.py), without the checks TensorDescriptor runs on construction (host time on every
+    promises them, triton_dispatch.py), without the checks TensorDescriptor runs on construction (host time on every
     call), which desc already passed. t None: a template that keeps no tensor alive."""
     copy = object.__new__(TensorDescriptor)
     copy.__dict__.update(desc.__dict__, base=t)
@@ -517,7 +508,7 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
-    """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_flash.empty_bthd's tensors
+    """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. -> Launched: the compiled kernel (the
     tuner logs its registers) and again(q, k, v, o, lse, scale), the same launch for tensors shaped, strided and
@@ -526,7 +517,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):
         raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
-                         "stride and 16-byte aligned start and strides; allocate it with triton_flash.empty_bthd")
+                         "stride and 16-byte aligned start and strides; allocate it with triton_dispatch.empty_bthd")
     block_n, k_stages, v_stages, persistent, consumers = tile
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
@@ -535,11 +526,11 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting.
     # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
     per_turn = 2 if persistent else 1
-    programs = min(triton.cdiv(n_work, per_turn), _sm_count(q.device)) if persistent else n_work
+    programs = min(triton.cdiv(n_work, per_turn), sm_count(q.device)) if persistent else n_work
     descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
-    first = launch(_attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
+    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
                    BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive

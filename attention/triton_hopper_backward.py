@@ -1,11 +1,12 @@
 """The backward pass on Hopper (H100, H200), warp-specialized: five matmuls per tile pair instead of seven (§13).
 
-The math is triton_flash.py's backward (§5): with P = exp(S - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - Delta),
-dK = dS^T Q, dQ = dS K. The `tl` backward runs two kernels, dK/dV and dQ, and the dQ kernel computes S and dP a second
-time (seven matmuls per tile pair). Here one kernel computes all three gradients, like FlashAttention-3's: a program
-owns 128 keys of one (batch, kv head), holds their K, V and the fp32 dK, dV in its warps, and walks the query tiles
-that see them. Each tile pair's dQ share is added into a float32 buffer by the copy engine, so five matmuls remain;
-a pre-pass (Delta, and the buffer zeroed) and a post-pass (the buffer scaled and rounded into dq) run around it.
+The math is the `tl` backward's, triton_flash.attn_bwd_dkdv and attn_bwd_dq (§5): with P = exp(S - lse),
+dV = P^T dO, dP = dO V^T, dS = P * (dP - Delta), dK = dS^T Q, dQ = dS K. The `tl` backward runs two kernels, dK/dV
+and dQ, and the dQ kernel computes S and dP a second time (seven matmuls per tile pair). Here one kernel computes all
+three gradients, like FlashAttention-3's: a program owns 128 keys of one (batch, kv head), holds their K, V and the
+fp32 dK, dV in its warps, and walks the query tiles that see them. Each tile pair's dQ share is added into a float32
+buffer by the copy engine, so five matmuls remain; a pre-pass (Delta, and the buffer zeroed) and a post-pass (the
+buffer scaled and rounded into dq) run around it.
 
   _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q, dO, lse and Delta by
                       TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
@@ -39,7 +40,7 @@ Synchronisation, with mbarriers (a phase bit flips each time the expected arriva
 The t-th query tile of a program lives in slot t % STAGES, phase (t // STAGES) & 1; its dS^T in buffer t % 2.
 
 The float32 adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
-bit-deterministic (dK and dV are). triton_flash.backward takes the `tl` kernels where
+bit-deterministic (dK and dV are). triton_dispatch.backward takes the `tl` kernels where
 torch.use_deterministic_algorithms(True) asks for determinism.
 """
 import torch
@@ -70,21 +71,23 @@ LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
 KEYS = tl.constexpr(64)  # keys per consumer warpgroup
 BLOCK_M = tl.constexpr(64)  # query rows per tile: the dQ matmul's rows, so one wgmma tall
-# Tiles (STAGES, DKDV_STAGED) per head dim, as measured on the H200 (docs/perf_notes.md); the tuner picks per shape.
+# Tiles (STAGES, DKDV_STAGED) per head dim; triton_dispatch.backward's tuner times them and picks per shape.
 # STAGES: slots in the Q/dO ring. At hs=128 the consumers' dK and dV alone take 128 of their 240 registers: a third
-# slot spilled (55 stores) and ran 11-15% slower; with the row values in the accumulators (row_values_first) 26 spill
-# stores against none, and 9-15% slower (§13).
-# DKDV_STAGED: dK and dV leave through shared memory by TMA instead of from registers by pointers. It ran 3-10%
-# faster at T=1k (not at hs=64 without the mask) and at hs=128 4k, and 3-7% slower at hs=64 from 4k on, where the
-# build's schedule of the main loop comes out slower (§13 "dK and dV leave"): so both, and the tuner chooses.
+# slot makes the build spill more and run slower, with or without the row values in the accumulators
+# (row_values_first), so hs=128 has 2 (§13 "The price").
+# DKDV_STAGED: dK and dV leave through shared memory by TMA instead of from registers by pointers. That is faster on
+# short sequences and at hs=128, and slower at hs=64 on long ones, where the build's schedule of the main loop comes
+# out slower (§13 "dK and dV leave"): so both are offered, and the tuner chooses.
 TILES = {64: [(2, False), (3, False), (3, True)], 128: [(2, False), (2, True)]}
-# a head group's float32 dQ rows (_key_tile): 8 MB of the H200's 50 MB L2 (2-16 MB measured alike)
+# a head group's float32 dQ rows (_key_tile): a fraction of Hopper's L2, so that the group's adds (and its Q, dO
+# loads) meet there instead of in DRAM; the exact size matters little (§13 "Where the adds meet"; docs/perf_notes.md,
+# 'Head groups: where the adds meet')
 DQ_GROUP_BYTES = 8 << 20
 
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def _attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
                       stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse * lse_unit,
     the lse in the units the kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0
@@ -107,7 +110,7 @@ def _attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, 
 
 
 @triton.jit
-def _attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale,
+def attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale,
                         HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """dq = scale * the accumulated dS K (dS was taken w.r.t. the scaled scores), in dq's dtype and strides."""
     bh = tl.program_id(1)
@@ -124,7 +127,7 @@ if gluon is not None:
     def _key_tile(n_kv_heads, heads_per_group, diag, Tq):
         """Program -> (batch*kv head, first key, first query tile that sees a key). Programs go in groups of
         heads_per_group (batch, kv head)s, whose dQ rows fit in L2 together (module docstring); in a group, key tile by
-        key tile, the first (under the causal mask the one most query rows see, §9 work order) first. The last group
+        key tile, the first (under the causal mask the one most query rows see, §9 "Work order") first. The last group
         may be smaller."""
         n_kblocks = gl.num_programs(0) // n_kv_heads
         per_group = heads_per_group * n_kblocks
@@ -168,8 +171,8 @@ if gluon is not None:
         bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-        triton_hopper._tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-        triton_hopper._tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        triton_hopper.tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        triton_hopper.tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
         per_head = gl.cdiv(Tq, BLOCK_M) - first_m
         for t in range(GROUP * per_head):
             slot = t % STAGES
@@ -178,13 +181,13 @@ if gluon is not None:
             mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             bh, start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)
             h = bh - b * H_kv * GROUP
-            triton_hopper._tma_load(q_desc, [b, h, start_m, 0], ready,
+            triton_hopper.tma_load(q_desc, [b, h, start_m, 0], ready,
                                     q_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-            triton_hopper._tma_load(do_desc, [b, h, start_m, 0], ready,
+            triton_hopper.tma_load(do_desc, [b, h, start_m, 0], ready,
                                     do_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
             row_index = bh * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
-            triton_hopper._tma_load(lse_desc, [row_index], ready, lse_smem.index(slot))
-            triton_hopper._tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
+            triton_hopper.tma_load(lse_desc, [row_index], ready, lse_smem.index(slot))
+            triton_hopper.tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
 
     @gluon.jit
     def _dq_cols(u, ds_smem, k_cols, ds_ready):
@@ -201,7 +204,7 @@ if gluon is not None:
     def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, dq_desc, dq_smem, bh, start_m, Tq_pad):
         """Query tile u's dQ[:, first_col:] done, the warpgroup's n-th: free its dS^T buffer, and have the copy engine
         add dq into the float32 buffer's rows of query head bh from a staging tile. A warpgroup has STAGING of them
-        (_attn_bwd_ws), used in turn: the n-th is free once at most STAGING - 1 reductions still read theirs."""
+        (attn_bwd_ws), used in turn: the n-th is free once at most STAGING - 1 reductions still read theirs."""
         STAGING: gl.constexpr = dq_smem.shape[0] // 2
         mbarrier.arrive(ds_empty.index(u % 2), count=1)
         staging = dq_smem.index(WG * STAGING + n % STAGING)  # (M, C)
@@ -223,10 +226,10 @@ if gluon is not None:
         HALF: gl.constexpr = HEAD_DIM // 2
         # dQ = dS K over all 128 keys, so both halves of dS^T first. hs=64: the warpgroups take turns, each computing
         # the whole (M, D) of the query tiles in its dS^T buffer (t % 2 == WG), and on the others going on without
-        # waiting: 3-8% faster than halves of every tile, with dQ's wgmma N=64 wide instead of 32 (§13 "dQ in
-        # turns"). hs=128: each computes half of dQ's columns of every tile; turns there measured 11-13% slower
-        # (whole (M, 128) blocks: 64 KB of staging, 230 KB of shared memory in all). Which one, dq_cols_block decides
-        # (the staging tiles' width)
+        # waiting, so the two meet every other tile, and dQ's wgmma is N=64 wide instead of 32, reading dS from shared
+        # memory once for twice the products (§13 "dQ in turns"). hs=128: each computes half of dQ's columns of every
+        # tile; turns there are slower (whole (M, 128) float32 blocks: 64 KB of staging, 230 KB of shared memory in
+        # all; §13 "dQ by columns"). Which one, dq_cols_block decides (the staging tiles' width)
         TURNS: gl.constexpr = dq_smem.shape[2] == HEAD_DIM
         # without turns warpgroup 1 computes each query tile's dQ half one tile late (§13); with them each
         # warpgroup already skips every other meeting
@@ -283,7 +286,7 @@ if gluon is not None:
             dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
             if ROWS_FIRST:
                 dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
-            else:  # Delta loaded here, not with lse: held over the exp2s it pushed scalars out (§13)
+            else:  # Delta loaded here, not with lse: held over the exp2s it pushes scalars out (§13)
                 delta = delta_smem.index(slot).load(row_layout)  # (M,)
                 dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
             dst = (pt * dpt).to(q_smem.dtype)  # §5 dS^T
@@ -336,13 +339,13 @@ if gluon is not None:
             # dV where this warpgroup's V rows were: only its own matmuls read them, all done
             v_smem.slice(WG * KEYS, KEYS).store(dv.to(v_smem.dtype))
             fence_async_shared()  # the stores, visible to the copy engine
-            triton_hopper._tma_store(DV, [b, h_kv, first_key, 0], _rows_of(v_smem, WG))
+            triton_hopper.tma_store(DV, [b, h_kv, first_key, 0], _rows_of(v_smem, WG))
             # dK where its K rows were, once both warpgroups are past their last dQ matmul (which reads all keys)
             mbarrier.arrive(k_free, count=1)
             mbarrier.wait(k_free, 0)
             k_smem.slice(WG * KEYS, KEYS).store((dk * scale).to(k_smem.dtype))
             fence_async_shared()
-            triton_hopper._tma_store(DK, [b, h_kv, first_key, 0], _rows_of(k_smem, WG))
+            triton_hopper.tma_store(DK, [b, h_kv, first_key, 0], _rows_of(k_smem, WG))
             tma.store_wait(0)  # both read before the program's shared memory goes
 
     # one function per consumer warpgroup, as triton_hopper._softmax_rows_0/_1: a partition's WG is fixed in it
@@ -367,7 +370,7 @@ if gluon is not None:
                        Tk, diag, qk_scale, scale, ROWS_FIRST)
 
     @gluon.jit
-    def _attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
+    def attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                      stride_dvb, stride_dvh, stride_dvt, dq_desc, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, scale, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
         """Shared memory and barriers, then the split into the producer and the two consumers (module docstring)."""
@@ -384,9 +387,9 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
         # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds (dq_cols_block), laid out as
-        # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged (up to 4%
-        # faster than one); one at hs=128, where the 32 KB less measured 4-7% faster and the spilled
-        # scalars' L1 hit rate rose from 87% to 98% (§13)
+        # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged; one at
+        # hs=128, where the 32 KB it frees goes to L1, which holds the spilled loop scalars (§13 "Head dim 128:
+        # registers")
         STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, dq_desc.block_type.shape[1]],
                                             dq_desc.layout)
@@ -431,15 +434,17 @@ def supports(q, k, v, o, do, grads, dense: bool) -> bool:
 
 def tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[tuple[int, bool]]:
     """The tiles that can write these gradients: TILES[head_dim], less the staged ones where the copy engine cannot
-    write dk or dv (triton_hopper.tma_can_read's rule; the gradients triton_flash allocates always pass it)."""
+    write dk or dv (triton_hopper.tma_can_read's rule; the gradients triton_dispatch.backward allocates with
+    empty_bthd always pass it)."""
     return [tile for tile in TILES[head_dim] if not tile[1] or triton_hopper.tma_can_read(dk, dv)]
 
 
 def row_values_first(head_dim: int) -> bool:
     """Whether the consumers' S^T and dP^T wgmmas start from -lse / scale and -Delta instead of zero (_key_gradients'
-    ROWS_FIRST, §13 "The row values in the accumulators"): at hs=128, where those (M,) values held in registers over
-    the exp2s and dS made the build spill (33 spill stores -> 0, 3-11% faster); at hs=64, which does not spill,
-    subtracting them from the results measured 1-4% faster."""
+    ROWS_FIRST, §13 "The row values in the accumulators"): at hs=128, where those (M,) values, held in registers over
+    the exp2s and dS, make the build spill, and starting from them leaves it none; not at hs=64, which does not spill
+    and where subtracting them from the results is faster (docs/perf_notes.md, 'the row values in the backward's
+    accumulators')."""
     return head_dim == 128
 
 
@@ -472,10 +477,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
         return 1 / scale if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad)
-    first_prepare = launch(_attn_bwd_prepare, rows_grid,
+    first_prepare = launch(attn_bwd_prepare, rows_grid,
                            (o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale)),
                            HEAD_DIM=D, ROWS=BLOCK_M.value)
-    # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as _attn_bwd_ws lays them out
+    # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)
@@ -497,13 +502,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         return tuple(rebased(desc, t) for desc, t in zip(dkdv_descs, (dk, dv))) if staged else (dk, dv)
     sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
-    first_main = launch(_attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
+    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
                                                   *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
     sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
-    first_finish = launch(_attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
+    first_finish = launch(attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
                           ROWS=BLOCK_M.value)
-    # again keeps the descriptors' layouts, not this call's tensors (50 MB of float32 dQ at GPT-2's shape)
+    # again keeps the descriptors' layouts, not this call's tensors (the float32 dQ buffer alone is B*Hq*Tq*D*4 bytes)
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
         rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
 

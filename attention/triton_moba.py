@@ -28,19 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_flash
 from .ops import define_op
-from .triton_flash import (
-    LN2,
-    LOG2E,
-    _dkdv_tile,
-    _dq_tile,
-    _fwd_tile,
-    _head_base,
-    _launch,
-    _load_rows,
-    candidate_tiles,
-)
+from .triton_dispatch import empty_bthd
+from .triton_flash import LN2, LOG2E, dkdv_tile, dq_tile, fwd_tile, head_base, key_ranges, load_rows, store_rows
+from .triton_tuner import candidate_tiles, tuned_launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +108,7 @@ def _block_key_ranges(block, tile, own, T, MOBA_BLOCK: tl.constexpr, BLOCK_M: tl
     full_end = tl.minimum(start + MOBA_BLOCK, T)
     end = full_end
     if own:
-        full_end, end = triton_flash._key_ranges(start + tile * BLOCK_M, T, T, BLOCK_M, BLOCK_N, True)
+        full_end, end = key_ranges(start + tile * BLOCK_M, T, T, BLOCK_M, BLOCK_N, True)
     return start, full_end, end
 
 
@@ -132,10 +123,10 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
     bh, block, tile, entry, q_pos, valid, own = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                                                         MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
-    K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
-    V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
+    K = head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
+    V = head_base(V, b, h // GROUP, stride_vb, stride_vh)
     cols = tl.arange(0, BLOCK_D)  # (D,)
-    q = _load_rows(_head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd,
+    q = load_rows(head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd,
                    HEAD_DIM, True)  # (M, D): gathered rows
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -144,12 +135,12 @@ def _moba_fwd(Q, K, V, O_PART, LSE_PART, WORK, ORDER, FIRST, COUNT,
 
     start, full_end, end = _block_key_ranges(block, tile, own, T, MOBA_BLOCK, BLOCK_M, BLOCK_N)
     for start_n in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
+        acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                   stride_kd, stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
     for start_n in range(full_end, end, BLOCK_N):  # own queries' diagonal (and the last block's ragged end)
         k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+        acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                   stride_vd, cols, T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
 
     # every entry sees at least one key (its own query's block holds the query itself), so l > 0
@@ -171,11 +162,11 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
     bh, block, tile, entry, q_pos, valid, own = _entry_tile(WORK, ORDER, FIRST, COUNT, n_lists, n_blocks, T, S,
                                                         MOBA_BLOCK, BLOCK_M)
     b, h = bh // H, bh % H
-    K = _head_base(K, b, h // GROUP, stride_kb, stride_kh)
-    V = _head_base(V, b, h // GROUP, stride_vb, stride_vh)
+    K = head_base(K, b, h // GROUP, stride_kb, stride_kh)
+    V = head_base(V, b, h // GROUP, stride_vb, stride_vh)
     cols = tl.arange(0, BLOCK_D)
-    q = _load_rows(_head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd, HEAD_DIM, True)
-    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), q_pos, T, stride_dot, cols, stride_dod,
+    q = load_rows(head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd, HEAD_DIM, True)
+    do = load_rows(head_base(DO, b, h, stride_dob, stride_doh), q_pos, T, stride_dot, cols, stride_dod,
                     HEAD_DIM, True)  # (M, D)
     # the merged (final) log-sum-exp and Delta of each query: P over this block is exp(s - lse) of the
     # whole row, so the partial dQ of each slot adds up to the row's dQ (§5)
@@ -196,12 +187,12 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
 
     start, full_end, end = _block_key_ranges(block, tile, own, T, MOBA_BLOCK, BLOCK_M, BLOCK_N)  # as the forward
     for start_n in range(start, full_end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+        dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                       stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-        dq = _dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+        dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                       T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     out_rows = bh.to(tl.int64) * T * S + entry
     tl.store(DQ_PART + out_rows[:, None] * BLOCK_D + cols[None, :], dq * scale, mask=valid[:, None])
@@ -224,8 +215,8 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
 
     k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
     cols = tl.arange(0, BLOCK_D)
-    k = _load_rows(_head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, T, stride_kt, cols, stride_kd, HEAD_DIM, True)
-    v = _load_rows(_head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, T, stride_vt, cols, stride_vd, HEAD_DIM, True)
+    k = load_rows(head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, T, stride_kt, cols, stride_kd, HEAD_DIM, True)
+    v = load_rows(head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, T, stride_vt, cols, stride_vd, HEAD_DIM, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
@@ -252,16 +243,16 @@ def _moba_bwd_dkdv(Q_LISTED, K, V, DO_LISTED, DK, DV, LSE_LISTED, DELTA_LISTED, 
             dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
                                        cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
         for rows in range(diag_end, full_end, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1, HEAD_DIM, 1,
+            dk, dv = dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, rows + tl.arange(0, BLOCK_M), HEAD_DIM, 1, HEAD_DIM, 1,
                                 cols, count, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for rows in range(full_end, count, BLOCK_M):
             dk, dv = _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ORDER + listed, rows, count, T, S,
                                        cols, qk_scale, HEAD_DIM, DOT_PRECISION, BLOCK_M)
 
-    DK = _head_base(DK, b, h_kv, stride_dkb, stride_dkh)
-    DV = _head_base(DV, b, h_kv, stride_dvb, stride_dvh)
-    triton_flash._store_rows(DK, dk * scale, k_pos, T, stride_dkt, cols, stride_dkd, HEAD_DIM)
-    triton_flash._store_rows(DV, dv, k_pos, T, stride_dvt, cols, stride_dvd, HEAD_DIM)
+    DK = head_base(DK, b, h_kv, stride_dkb, stride_dkh)
+    DV = head_base(DV, b, h_kv, stride_dvb, stride_dvh)
+    store_rows(DK, dk * scale, k_pos, T, stride_dkt, cols, stride_dkd, HEAD_DIM)
+    store_rows(DV, dv, k_pos, T, stride_dvt, cols, stride_dvd, HEAD_DIM)
 
 
 @triton.jit
@@ -273,7 +264,7 @@ def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ENTRIES, rows, cou
     valid = listed < count
     q_pos = tl.load(ENTRIES + listed, mask=valid, other=0) // S  # (M,) the entries' queries
     visibleT = (k_pos[:, None] <= q_pos[None, :]) & (k_pos[:, None] < T) & valid[None, :]  # (N, M)
-    return _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, listed, HEAD_DIM, 1, HEAD_DIM, 1, cols, count, qk_scale,
+    return dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, listed, HEAD_DIM, 1, HEAD_DIM, 1, cols, count, qk_scale,
                       visibleT, HEAD_DIM, DOT_PRECISION)
 
 
@@ -309,7 +300,7 @@ def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, strid
             weight = tl.exp(tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")) - lse)
         part = tl.load(PART + (slots + s)[:, None] * BLOCK_D + cols[None, :], mask=used[:, None], other=0.0)
         acc += weight[:, None] * part
-    triton_flash._store_rows(_head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
+    store_rows(head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
                              HEAD_DIM)
 
 
@@ -323,8 +314,8 @@ def _row_delta(O, DO, DELTA, stride_ob, stride_oh, stride_ot, stride_od, stride_
     b, h = bh // H, bh % H
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (T_tile,)
     cols = tl.arange(0, BLOCK_D)
-    o = _load_rows(_head_base(O, b, h, stride_ob, stride_oh), t, T, stride_ot, cols, stride_od, HEAD_DIM, True)
-    do = _load_rows(_head_base(DO, b, h, stride_dob, stride_doh), t, T, stride_dot, cols, stride_dod, HEAD_DIM, True)
+    o = load_rows(head_base(O, b, h, stride_ob, stride_oh), t, T, stride_ot, cols, stride_od, HEAD_DIM, True)
+    do = load_rows(head_base(DO, b, h, stride_dob, stride_doh), t, T, stride_dot, cols, stride_dod, HEAD_DIM, True)
     tl.store(DELTA + bh.to(tl.int64) * T + t, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=t < T)
 
 
@@ -339,7 +330,7 @@ def _moba_gate(Q, MEANS, SELECTION, stride_qb, stride_qh, stride_qt, stride_qd, 
     b, h = bh // H, bh % H
     q_pos = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (M,)
     cols = tl.arange(0, BLOCK_D)
-    q = _load_rows(_head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd, HEAD_DIM, True)
+    q = load_rows(head_base(Q, b, h, stride_qb, stride_qh), q_pos, T, stride_qt, cols, stride_qd, HEAD_DIM, True)
     blocks = tl.arange(0, BLOCK_B)  # (NB,)
     means = tl.load(MEANS + ((b * (H // GROUP) + h // GROUP) * n_blocks + blocks)[:, None] * HEAD_DIM + cols[None, :],
                     mask=(blocks[:, None] < n_blocks) & (cols[None, :] < HEAD_DIM), other=0.0)  # (NB, D) float32
@@ -369,22 +360,17 @@ GATE_MAX_BLOCKS = 256  # a row of scores per query stays in registers up to this
 
 
 @torch.no_grad()
-def moba_gate(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
-    """moba_select (attention/moba.py) with the scoring and top-k fused in one kernel (_moba_gate):
-    the same selection, without the (B, Hq, T, n_blocks) score tensor in memory."""
-    from .moba import _check_moba_args, block_means, moba_select
-
-    _check_moba_args(q, k, block_size, topk)
+def moba_gate(q: torch.Tensor, means: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
+    """moba_select (attention/moba.py) with the scoring and top-k fused in one kernel (_moba_gate): the same
+    selection from the blocks' mean keys, means (B, Hkv, n_blocks, D), without the (B, Hq, T, n_blocks) score tensor
+    in memory. For at most GATE_MAX_BLOCKS blocks."""
     B, H, T, D = q.shape
-    n_blocks = -(-T // block_size)
-    if n_blocks > GATE_MAX_BLOCKS:  # very long sequences: the unfused version
-        return moba_select(q, k, block_size, topk)
-    means = block_means(k, block_size).float().contiguous()  # (B, Hkv, n_blocks, D)
+    n_blocks = means.shape[2]
     selection = torch.empty(B, H, T, topk + 1, dtype=torch.int64, device=q.device)
     _moba_gate[(triton.cdiv(T, GATE_ROWS), B * H)](
-        q, means, selection, *q.stride(), H, H // k.shape[1], T, n_blocks, TOPK=topk, MOBA_BLOCK=block_size,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_B=max(16, triton.next_power_of_2(n_blocks)),
-        BLOCK_M=GATE_ROWS)
+        q, means.float().contiguous(), selection, *q.stride(), H, H // means.shape[1], T, n_blocks, TOPK=topk,
+        MOBA_BLOCK=block_size, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_B=max(16, triton.next_power_of_2(n_blocks)), BLOCK_M=GATE_ROWS)
     return selection
 
 
@@ -414,9 +400,9 @@ def forward(q, k, v, selection, block_size: int, scale: float):
         return (q, k, v, o_part, lse_part, work(block_m), order, first, count, *q.stride(), *k.stride(), *v.stride(),
                 H, H // k.shape[1], T, S, count.numel(), count.shape[1], scale)
 
-    _launch("fwd", _moba_fwd, lambda block_m, _: (work(block_m).shape[0],), args, _constants(q, block_size),
+    tuned_launch("fwd", _moba_fwd, lambda block_m, _: (work(block_m).shape[0],), args, _constants(q, block_size),
             T, T, q.dtype, block_size)
-    o = triton_flash.empty_bthd(B, H, T, D, q)
+    o = empty_bthd(B, H, T, D, q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _merge(o_part, lse_part, selection, o, lse)
     return o, lse, order, first, count
@@ -442,14 +428,14 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
                 first, count, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
                 H, H // Hkv, T, S, count.numel(), count.shape[1], scale)
 
-    _launch("dq", _moba_bwd_dq, lambda block_m, _: (work(block_m).shape[0],), args, constants, T, T, q.dtype,
+    tuned_launch("dq", _moba_bwd_dq, lambda block_m, _: (work(block_m).shape[0],), args, constants, T, T, q.dtype,
             block_size)
-    dq = triton_flash.empty_bthd(B, H, T, D, q)
+    dq = empty_bthd(B, H, T, D, q)
     _merge(dq_part, None, selection, dq, None)
 
-    dk = triton_flash.empty_bthd(B, Hkv, T, D, k)
-    dv = triton_flash.empty_bthd(B, Hkv, T, D, v)
-    _launch("dkdv", _moba_bwd_dkdv, lambda _, block_n: (triton.cdiv(T, block_n), B * Hkv),
+    dk = empty_bthd(B, Hkv, T, D, k)
+    dv = empty_bthd(B, Hkv, T, D, v)
+    tuned_launch("dkdv", _moba_bwd_dkdv, lambda _, block_n: (triton.cdiv(T, block_n), B * Hkv),
             (q_listed, k, v, do_listed, dk, dv, lse_listed, delta_listed, order, first, count,
              *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), H, H // Hkv, T, S, count.shape[1], scale),
             constants, T, T, q.dtype, block_size)
@@ -460,7 +446,7 @@ def _moba_fwd_fake(q, k, v, selection, block_size, scale):
     B, H, T, D = q.shape
     lists = [q.new_empty(B * H, n, dtype=torch.int32) for n in (T * selection.shape[-1], -(-T // block_size),
                                                                  -(-T // block_size))]
-    return triton_flash.empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32), *lists
+    return empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32), *lists
 
 
 moba_fwd = define_op("moba_fwd(Tensor q, Tensor k, Tensor v, Tensor selection, int block_size, float scale) "
@@ -468,7 +454,7 @@ moba_fwd = define_op("moba_fwd(Tensor q, Tensor k, Tensor v, Tensor selection, i
 
 
 def _moba_bwd_fake(do, q, k, v, o, lse, selection, order, first, count, block_size, scale):
-    return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
+    return tuple(empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
 moba_bwd = define_op("moba_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor selection, "
@@ -497,10 +483,8 @@ class MobaFunction(torch.autograd.Function):
 
 def moba_triton(q, k, v, selection: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """MoBA attention of q (B, Hq, T, D), k, v (B, Hkv, T, D) over selection (B, Hq, T, topk + 1)
-    (attention/moba.py:moba_select). block_size must be a multiple of the kernels' tiles (128 on a GPU)."""
-    from .triton_op import _check_kernel_support
-
-    _check_kernel_support(q)
+    (attention/moba.py:moba_select), on inputs triton_support.check_triton_support passed. block_size must be a
+    multiple of the kernels' tiles (128 on a GPU)."""
     try:
         for kernel in ("fwd", "dq", "dkdv"):
             candidate_tiles(kernel, triton.next_power_of_2(q.shape[-1]), q.dtype.itemsize, block_size)

@@ -1,4 +1,5 @@
-"""The Triton FlashAttention kernels (triton_flash.py) as PyTorch operators and autograd.
+"""The Triton FlashAttention kernels (triton_dispatch.py runs them) as PyTorch operators and autograd: the "triton"
+backend of attention/registry.py.
 
 nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake (meta)
 implementations (ops.py), so torch.compile(fullgraph=True) traces straight through them without a
@@ -8,7 +9,7 @@ graph break; FlashAttentionFunction wires the backward op to the forward for aut
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
-same ops as optional arguments (triton_flash.MaskArgs): operators take tensors and numbers only.
+same ops as optional arguments (triton_dispatch.MaskArgs): operators take tensors and numbers only.
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
@@ -16,13 +17,10 @@ three gradients into one tensor of that shape.
 """
 import torch
 
-from . import triton_flash
+from . import triton_dispatch
+from .inputs import check_qkv, unpack_qkv
 from .ops import define_op
-from .registry import unpack_qkv
-from .validate import check_qkv
-
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a 256-wide tile is the most that fits on chip
+from .triton_support import check_triton_support
 
 # The mask arguments every op takes after (causal, scale): MaskArgs flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
@@ -30,24 +28,24 @@ MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_
 
 
 def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
-               window_right: int = -1, block_size: int = 16) -> triton_flash.MaskArgs:
+               window_right: int = -1, block_size: int = 16) -> triton_dispatch.MaskArgs:
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    return triton_flash.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
+    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
 
 
-def _flat(mask: triton_flash.MaskArgs) -> tuple:
+def _flat(mask: triton_dispatch.MaskArgs) -> tuple:
     left, right = mask.window or (-1, -1)
     return mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
-    return triton_flash.forward(q, k, v, causal, scale, _mask_args(*mask))
+    return triton_dispatch.forward(q, k, v, causal, scale, _mask_args(*mask))
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
     B, Hq, Tq, D = q.shape
-    return triton_flash.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+    return triton_dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
 
 flash_attn_fwd = define_op(
@@ -56,11 +54,11 @@ flash_attn_fwd = define_op(
 
 
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
-    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, _mask_args(*mask))
+    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, _mask_args(*mask))
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
-    return tuple(triton_flash.empty_bthd(*t.shape, t) for t in (q, k, v))
+    return tuple(triton_dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
 flash_attn_bwd = define_op(
@@ -83,33 +81,33 @@ flash_attn_bwd_qkvpacked = define_op(
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
-def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_flash.MaskArgs) -> torch.Tensor:
+def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs) -> torch.Tensor:
     """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
     dqkv = qkv.new_empty(qkv.shape)
-    triton_flash.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
+    triton_dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
     return dqkv
 
 
-def _fwd(q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+def _fwd(q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
     # Under torch.compile the op keeps the kernel one opaque node with a fake impl. In eager mode the
-    # launcher is called directly, without the dispatcher's round trip: at GPT-2's shape on the H200 box
-    # every microsecond of host time per call shows (benchmarks/launch_overhead.py).
+    # launcher is called directly, without the dispatcher's round trip: at small shapes every microsecond
+    # of host time per call shows (benchmarks/launch_overhead.py).
     if torch.compiler.is_compiling():
         return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask))
-    return triton_flash.forward(q, k, v, causal, scale, mask)
+    return triton_dispatch.forward(q, k, v, causal, scale, mask)
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
     if torch.compiler.is_compiling():  # as in _fwd
         return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask))
-    return triton_flash.backward(do, q, k, v, o, lse, causal, scale, mask)
+    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd for the kernels; torch.compile traces through it to the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
         o, lse = _fwd(q, k, v, causal, scale, mask)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
@@ -127,11 +125,11 @@ class FlashAttentionFunction(torch.autograd.Function):
 class PackedFlashAttentionFunction(torch.autograd.Function):
     """FlashAttentionFunction for q, k, v packed in one (B, T, 3, H, D) tensor. Given three views, autograd
     would concatenate their three gradients into the gradient of the tensor they view (a copy of its
-    size per call: ~0.5 ms per GPT-2 training step on the H200, see docs/perf_notes.md); this backward
-    writes them into one (B, T, 3, H, D) gradient directly."""
+    size per call, docs/perf_notes.md, "Packed qkv"); this backward writes them into one (B, T, 3, H, D)
+    gradient directly."""
 
     @staticmethod
-    def forward(ctx, qkv, causal: bool, scale: float, mask: triton_flash.MaskArgs):
+    def forward(ctx, qkv, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
         o, lse = _fwd(*unpack_qkv(qkv), causal, scale, mask)
         ctx.save_for_backward(qkv, o, lse)
         ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
@@ -149,33 +147,13 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
         return dqkv, None, None, None
 
 
-def kernel_mask_args(mask) -> triton_flash.MaskArgs:
+def kernel_mask_args(mask) -> triton_dispatch.MaskArgs:
     """A BlockMask as the kernels' arguments (the block lists are built once per BlockMask and cached)."""
     if mask is None:
-        return triton_flash.DENSE
+        return triton_dispatch.DENSE
     docs = mask.document_ids
-    return triton_flash.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
+    return triton_dispatch.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
                                  docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size)
-
-
-def _check_kernel_support(q: torch.Tensor) -> None:
-    """What the Triton kernel adds to check_qkv's checks (dtype, head dim, device)."""
-    if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(
-            f"the triton attention kernel supports float16, bfloat16 and float32, got {q.dtype}; "
-            "cast q, k, v with .float() or use backend='naive' for float64"
-        )
-    D = q.shape[-1]
-    if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM:
-        raise ValueError(
-            f"the triton attention kernel supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {D}; "
-            "change n_embd / n_head, or use backend='sdpa' for this head size"
-        )
-    if q.device.type != "cuda" and not triton_flash.INTERPRET:
-        raise ValueError(
-            f"the triton attention kernel runs on CUDA tensors, got device {q.device}; move tensors to a "
-            "CUDA device or set TRITON_INTERPRET=1 to run Triton's CPU interpreter"
-        )
 
 
 def flash_attention(
@@ -208,7 +186,7 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
     mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule).
     qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
     gradient comes out of the backward as one tensor)."""
-    _check_kernel_support(q)
+    check_triton_support(q)
     if qkv is not None:
         out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, kernel_mask_args(mask))
     else:

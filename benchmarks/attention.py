@@ -1,6 +1,6 @@
 """Attention kernel benchmark: every backend side by side on one GPU, forward, backward and both.
 
-    python -m benchmarks.attention                       # full grid, bf16 -> benchmarks/results/<date>-<gpu>/
+    python -m benchmarks.attention                       # full grid, bf16 -> out/kernels/
     python -m benchmarks.attention --quick               # a few shapes
     python -m benchmarks.attention --backends sdpa,triton --seq_lens 1024,4096 --head_dims 64
     python -m benchmarks.attention --resume --out_dir D  # go on where a run that was cut off stopped
@@ -10,7 +10,6 @@ It writes the raw measurements to results.json after every shape; the CSV, markd
 then made from that file alone (benchmarks/attention_report.py, which can be re-run on its own).
 """
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -34,9 +33,9 @@ if not torch.cuda.is_available():
 import triton.testing
 from tqdm import tqdm
 
-from attention import attention, triton_flash
+from attention import attention, triton_tuner
 from benchmarks.attention_report import write_report
-from benchmarks.report import environment, parse_bool, slug, write_json
+from benchmarks.report import default_out_dir, environment, parse_bool, rotations, write_json
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 # The backward pass does 5 matmuls of the forward's size (S recomputed, dV, dP, dQ, dK) against the
@@ -192,8 +191,8 @@ def median_ms(step, grads, device: torch.device, rep_ms: float) -> float:
 
 
 def warm_up_gpu(device: torch.device, seconds: float = 2.0) -> None:
-    """Matmuls back to back for a while: an idle GPU clocks down (the H200 idles at 345 MHz), and the first
-    cells of a run were timed while its clock came back up (cuDNN's GPT-2 forward at 0.147 ms, 0.085 later)."""
+    """Matmuls back to back for a while: an idle GPU clocks down, and without this the first cells of a run are
+    timed while its clock comes back up."""
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -238,20 +237,14 @@ def failure(e: Exception) -> str:
     return f"error: {first_line(e)}"
 
 
-def rotations(items: list, rounds: int) -> list[list]:
-    """The order of each of `rounds` rounds: the items rotated by one more each round, so that no item is always timed
-    right after the same one (see measure)."""
-    return [items[r % max(len(items), 1):] + items[:r % max(len(items), 1)] for r in range(rounds)]
-
-
 def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, device, rep_ms: float,
             rounds: int = 1) -> dict[str, dict[str, dict]]:
     """name -> pass -> {"ms", "tflops", "peak_mem_gib", "status"} for backends fns (name -> fn) on one shape, side by
     side. Every (backend, pass) first runs once (compilation and autotuning happen there, outside the timing); then
     `rounds` rounds time each once (median_ms), the order rotating by one per round, and a cell's ms is the median
-    of its rounds. Timed one after the other, a kernel runs at the clock the one before left the GPU (under the
-    H200's power cap, a kernel that draws more lowers it for the next; the same forward timed three times in a row
-    measured 0.467, 0.521 and 0.574 ms), so a fixed order would favour whichever backend goes first."""
+    of its rounds. Timed one after the other, a kernel runs at the clock the one before left the GPU (under a power
+    cap, a kernel that draws more lowers it for the next), so a fixed order would favour whichever backend goes
+    first."""
     cells = {name: {} for name in fns}
     inputs, steps = {}, []  # steps: the (name, pass) that ran their warm-up
     for name, fn in fns.items():
@@ -310,7 +303,7 @@ def run(args) -> Path:
     shapes = ([GPT2_SHAPE] if args.gpt2 else []) + grid_shapes(
         args.seq_lens, args.head_dims, args.causal, args.tokens, args.width, args.batch
     )
-    out_dir = Path(args.out_dir or default_out_dir(device))
+    out_dir = Path(args.out_dir or default_out_dir("kernels"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"
     env, rows = environment(device), []
@@ -364,7 +357,7 @@ def run(args) -> Path:
             cells = measured.get(name) or {p: empty_cell(skips[name]) for p in todo[name]}
             # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
             ran_ours = name == "triton" and name in measured
-            tuner = {kernel: str(choice) for kernel, choice in triton_flash.tuned_choices(
+            tuner = {kernel: str(choice) for kernel, choice in triton_tuner.tuned_choices(
                 shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if ran_ours else {}
             rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": tuner} if tuner else {})}
                      for p, cell in cells.items()]
@@ -373,11 +366,6 @@ def run(args) -> Path:
     bar.close()
     write_report(out_dir)
     return out_dir
-
-
-def default_out_dir(device: torch.device) -> Path:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return Path(__file__).parent / "results" / f"{datetime.date.today().isoformat()}-{slug(name)}"
 
 
 def comma_list(cast):
@@ -403,7 +391,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per shape, every backend timed once in each, the order rotating; a cell's ms is "
                         "the median of its rounds")
-    p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>/")
+    p.add_argument("--out_dir", help="default out/kernels/")
     p.add_argument("--resume", action="store_true", help="keep the cells already in out_dir/results.json")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

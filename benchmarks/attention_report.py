@@ -1,7 +1,7 @@
 """Tables and plots of a kernel benchmark, made from its results.json alone so that they can never
 drift from the measurements. Redraw a results folder with:
 
-    python -m benchmarks.attention_report benchmarks/results/<date>-<gpu>
+    python -m benchmarks.attention_report out/kernels
 
 Writes results.csv, results.md, tflops_<pass>.png (TFLOP/s against T, one panel per head dim and mask,
 one line per backend) and memory.png (peak fwd+bwd memory against T, log scale).

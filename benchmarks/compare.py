@@ -6,10 +6,12 @@ loss agreement and speed side by side. A variant is a name and the train.py flag
     python -m benchmarks.compare --variants dense:attn=triton window:attn=triton,window=256 \\
         moba:attn=moba,moba_block=128,moba_topk=3 -- configs/shakespeare_sparse.py
     python -m benchmarks.compare --backends sdpa,triton --wandb=false -- configs/smoke_cpu.py
+    python -m benchmarks.compare --backends naive,sdpa,triton --seeds 1,2,3 -- configs/shakespeare.py   # seed spread
 
 Everything after `--` goes to train.py unchanged (config files first, then --key=value flags), and each
-variant's flags after it. Each run writes into <out_dir>/<variant>/ (metrics.jsonl, train.log, run.json)
-and logs to wandb with one group per comparison and one run per variant. The table and plot are then
+variant's flags after it. Each run writes into <out_dir>/<run>/ (metrics.jsonl, train.log, run.json), the run
+named after its variant (with --seeds, <variant>-seed<seed>), and logs to wandb with one group per comparison
+and one run per run folder. The table and plot are then
 made from those files alone by benchmarks/compare_report.py, which can be re-run on the folder.
 """
 import argparse
@@ -55,7 +57,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
     return name, settings
 
 
-def train_command(name: str, run_dir: Path, args, train_args: list[str]) -> list[str]:
+def train_command(name: str, seed: int, run_dir: Path, args, train_args: list[str]) -> list[str]:
     """Config files first, then this comparison's defaults, then the user's flags (train.py applies
     them left to right, so the user's win), then what differs per run: the variant's flags and folders."""
     per_run = {*SET_PER_RUN, *(key for settings in args.variants.values() for key in settings)}
@@ -68,9 +70,9 @@ def train_command(name: str, run_dir: Path, args, train_args: list[str]) -> list
     flags = [a for a in train_args if a.startswith("--")]
     return [
         sys.executable, str(TRAIN_PY), *configs,
-        f"--seed={args.seed}", f"--wandb={str(args.wandb).lower()}", f"--wandb_project={args.wandb_project}",
+        f"--seed={seed}", f"--wandb={str(args.wandb).lower()}", f"--wandb_project={args.wandb_project}",
         *flags, *(f"--{key}={value}" for key, value in args.variants[name].items()),
-        f"--out_dir={run_dir}", f"--wandb_group={args.group}", f"--wandb_run_name={name}",
+        f"--out_dir={run_dir}", f"--wandb_group={args.group}", f"--wandb_run_name={run_dir.name}",
     ]
 
 
@@ -95,11 +97,13 @@ def parse_args(argv: list[str]):
     runs.add_argument("--backends", help=f"comma-separated attention backends, one run each (default {DEFAULT_BACKENDS})")
     runs.add_argument("--variants", nargs="+", metavar="NAME:KEY=VALUE,...",
                       help=f"named runs, each with its train.py flags, {VARIANT_EXAMPLE}")
-    p.add_argument("--out_dir", help="default benchmarks/results/compare-<date>-<time>/")
+    p.add_argument("--out_dir", help="default out/compare-<date>-<time>/")
     p.add_argument("--group", help="wandb group of the runs (default: the out_dir's name)")
     p.add_argument("--reference", help="run the loss differences are measured against (default sdpa, else the first)")
     p.add_argument("--skip_steps", type=int, default=10, help="steps before this are left out of the speed medians")
     p.add_argument("--seed", type=int, default=1337, help="one seed for every run: same init, same data order")
+    p.add_argument("--seeds", help="comma-separated seeds: every variant runs once per seed (the seed-to-seed "
+                                   "spread that a difference between variants is judged against)")
     installed = importlib.util.find_spec("wandb") is not None
     p.add_argument("--wandb", type=parse_bool, default=installed,
                    help=f"log each run to wandb (default: {str(installed).lower()}, whether wandb is installed)")
@@ -114,12 +118,23 @@ def parse_args(argv: list[str]):
     if len(args.variants) < len(variants):
         p.error(f"two runs share a name: {[name for name, _ in variants]}; each needs its own folder")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    args.out_dir = Path(args.out_dir or Path(__file__).parent / "results" / f"compare-{stamp}").resolve()
+    args.out_dir = Path(args.out_dir or Path("out") / f"compare-{stamp}").resolve()
     args.group = args.group or args.out_dir.name
     args.reference = args.reference or default_reference(args.variants)
     if args.reference not in args.variants:
         p.error(f"--reference {args.reference} is none of the runs: {', '.join(args.variants)}")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s] if args.seeds else [args.seed]
+    except ValueError:
+        p.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
     return args, train_args
+
+
+def runs_of(args) -> dict[str, tuple[str, int]]:
+    """run folder name -> (variant, seed): one run per variant, or with several seeds one per variant and seed."""
+    if len(args.seeds) == 1:
+        return {name: (name, args.seeds[0]) for name in args.variants}
+    return {f"{name}-seed{seed}": (name, seed) for name in args.variants for seed in args.seeds}
 
 
 def main(argv=None) -> int:
@@ -127,7 +142,9 @@ def main(argv=None) -> int:
     if not TRAIN_PY.exists():
         raise SystemExit(f"{TRAIN_PY} not found: the comparison runs the trainer once per variant")
     env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    commands = {name: train_command(name, args.out_dir / name, args, train_args) for name in args.variants}
+    runs = runs_of(args)
+    commands = {run: train_command(name, seed, args.out_dir / run, args, train_args)
+                for run, (name, seed) in runs.items()}
     for name, cmd in commands.items():  # every run's settings checked before the first starts
         try:
             parse_train_args(cmd[2:])
@@ -140,14 +157,17 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(commands)}] {name}: {' '.join(cmd)}", flush=True)
         start = time.perf_counter()
         code = run_teed(cmd, run_dir / "train.log")
+        variant, seed = runs[name]
         write_json(run_dir / "run.json", {
-            "variant": name, "settings": args.variants[name], "index": i, "group": args.group, "command": cmd,
+            "variant": variant, "seed": seed, "settings": args.variants[variant], "index": i, "group": args.group,
+            "command": cmd,
             "train_args": train_args, "returncode": code, "wall_s": time.perf_counter() - start, "env": env,
         })
         if code != 0:
             failed.append(name)
             print(f"{name}: train.py exited with {code}; its output is in {run_dir / 'train.log'}", flush=True)
-    write_report(args.out_dir, args.reference, args.skip_steps)
+    reference = args.reference if len(args.seeds) == 1 else f"{args.reference}-seed{args.seeds[0]}"
+    write_report(args.out_dir, reference, args.skip_steps)
     print((args.out_dir / "comparison.md").read_text())
     print(f"results in {args.out_dir}")
     return 1 if failed else 0

@@ -1,7 +1,7 @@
 """The training comparison's verdict, made only from the runs' own metrics.jsonl files, so it can be
 re-run at any time and never disagrees with them:
 
-    python -m benchmarks.compare_report benchmarks/results/compare-<id> [--reference sdpa] [--skip_steps 10]
+    python -m benchmarks.compare_report out/compare-<id> [--reference sdpa] [--skip_steps 10]
 
 For each run folder <out_dir>/<variant>/ it reads metrics.jsonl (and run.json, which compare.py
 writes beside it) and writes comparison.json, comparison.md and loss.png to <out_dir>.
@@ -120,12 +120,40 @@ def summarize(runs: dict[str, dict], reference: str, skip_steps: int) -> dict:
     return {
         "reference": reference,
         "skip_steps": skip_steps,
+        "seeds": seed_spread(runs, backends),
         "group": first_meta.get("group"),
         "env": first_meta.get("env"),
         "train_args": first_meta.get("train_args"),
         "warnings": warnings,
         "backends": backends,  # one row per run; named when every run was a backend, kept for older readers
     }
+
+
+def seed_spread(runs: dict[str, dict], rows: dict[str, dict]) -> dict | None:
+    """With several seeds per variant (compare.py --seeds): per variant the final val and train losses' mean and
+    sample standard deviation over its seeds, and the largest difference between two variants' mean final val
+    losses, to hold against the seed-to-seed spread. None for a comparison of one seed."""
+    by_variant: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        by_variant.setdefault(run["meta"].get("variant", name), []).append(name)
+    if all(len(names) == 1 for names in by_variant.values()):
+        return None
+
+    def spread(names: list[str], key: str) -> dict:
+        values = [rows[n][key] for n in names if rows[n][key] is not None]
+        return {"n": len(values), "mean": statistics.mean(values) if values else None,
+                "sd": statistics.stdev(values) if len(values) > 1 else None}
+    variants = {variant: {"runs": names, "final_val_loss": spread(names, "final_val_loss"),
+                          "final_train_loss": spread(names, "final_train_loss")}
+                for variant, names in by_variant.items()}
+    means = [v["final_val_loss"]["mean"] for v in variants.values() if v["final_val_loss"]["mean"] is not None]
+    sds = [v["final_val_loss"]["sd"] for v in variants.values() if v["final_val_loss"]["sd"] is not None]
+    return {"variants": variants, "max_mean_diff": max(means) - min(means) if means else None,
+            "min_sd": min(sds, default=None), "max_sd": max(sds, default=None)}
+
+
+def mean_sd(cell: dict) -> str:
+    return "-" if cell["mean"] is None else f"{cell['mean']:.4f} ± {fmt(cell['sd'])}"
 
 
 COLUMNS = [  # (header, key, scale)
@@ -169,6 +197,17 @@ def markdown(summary: dict) -> str:
         markdown_table(["run", *(header for header, _ in columns)],
                        [[name, *(cells[name][key] for _, key in columns)] for name in runs]),
     ]
+    seeds = summary.get("seeds")
+    if seeds:
+        lines += [
+            "\n## Seed spread\n",
+            "Final losses over each variant's seeds: mean ± sample standard deviation.\n",
+            markdown_table(["variant", "seeds", "final val loss", "final train loss"],
+                           [[variant, str(v["final_val_loss"]["n"]), mean_sd(v["final_val_loss"]),
+                             mean_sd(v["final_train_loss"])] for variant, v in seeds["variants"].items()]),
+            f"\nLargest difference between two variants' mean final val losses: {fmt(seeds['max_mean_diff'])}; "
+            f"seed-to-seed standard deviation within a variant: {fmt(seeds['min_sd'])} to {fmt(seeds['max_sd'])}.",
+        ]
     return "\n".join(lines)
 
 
@@ -179,8 +218,9 @@ def plot_losses(runs: dict[str, dict], summary: dict, path: Path) -> None:
     fig, (curves, diffs) = plt.subplots(1, 2, figsize=(13, 4.5))
     reference = summary["reference"]
     ref_losses = {s: r["train_loss"] for s, r in runs[reference]["train"].items()}
-    for i, (name, run) in enumerate(runs.items()):
-        color = f"C{i}"  # one colour per run in both panels
+    variants = list(dict.fromkeys(run["meta"].get("variant", name) for name, run in runs.items()))
+    for name, run in runs.items():
+        color = f"C{variants.index(run['meta'].get('variant', name)) % 10}"  # one colour per variant in both panels
         steps = list(run["train"])
         if not steps:
             continue  # a run that failed before logging

@@ -31,8 +31,8 @@ if not torch.cuda.is_available():
     # Triton reads this when it is imported: without a GPU our kernel can only run in its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.attention import DTYPES, comma_list, default_out_dir
-from benchmarks.report import environment, fmt, markdown_table, write_json
+from benchmarks.attention import DTYPES, comma_list
+from benchmarks.report import default_out_dir, environment, fmt, markdown_table, write_json
 from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 
 TOY = dict(n_layer=2, n_head=2, n_embd=32)  # head dim 16, the smallest the Triton kernel takes
@@ -98,8 +98,7 @@ def run(args) -> dict:
         | {"timer": "time.perf_counter around generate(), torch.cuda.synchronize() before and after; median of runs"},
         "rows": [],
     }
-    kernels_dir = default_out_dir(device)  # benchmarks/results/<date>-<gpu>
-    out_dir = Path(args.out_dir or kernels_dir.with_name(f"{kernels_dir.name}-generate"))
+    out_dir = Path(args.out_dir or default_out_dir("decoding"))
     out_dir.mkdir(parents=True, exist_ok=True)
     for backend in args.backends:
         model = build_model(args, backend, device)
@@ -157,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_sizes", type=comma_list(int), default=[1, 8])
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per cell")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per cell")
-    p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-generate/")
+    p.add_argument("--out_dir", help="default out/decoding/")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")

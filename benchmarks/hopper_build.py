@@ -58,7 +58,7 @@ def build(head_dim: int, tile: tuple[int, int, int, int]):
                      o_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
                      diag="i32", scale="fp32", n_work="i32", per_turn="i32")
-    return _compile(triton_hopper._attn_fwd_ws, signature,
+    return _compile(triton_hopper.attn_fwd_ws, signature,
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                          CONSUMER_REGS=consumer_regs), launch_regs)
 
@@ -79,7 +79,7 @@ def build_backward(head_dim: int, tile: tuple[int, bool]):
                                                "stride_dvt"], "i32"),
                      dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
                                                   "Tk", "diag"], "i32"), scale="fp32")
-    return _compile(hb._attn_bwd_ws, signature, dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim)),
+    return _compile(hb.attn_bwd_ws, signature, dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim)),
                     hb.LAUNCH_REGS)
 
 

@@ -106,3 +106,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def rotations(items: list, rounds: int) -> list[list]:
+    """The order of each of `rounds` rounds: the items rotated by one more each round, so that no item is always timed
+    right after the same one (see measure)."""
+    return [items[r % max(len(items), 1):] + items[:r % max(len(items), 1)] for r in range(rounds)]
+
+
+def default_out_dir(name: str) -> Path:
+    """out/<name>/: where a tool writes unless told otherwise (out/ is git-ignored; the raw files behind the README's
+    tables are copied into benchmarks/results/<table>/ by benchmarks/gpu_session.sh)."""
+    return Path("out") / name

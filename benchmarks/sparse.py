@@ -1,7 +1,7 @@
 """Sparse attention benchmark (issue 5): sliding window, packed documents and MoBA through our kernel,
 against dense causal attention and FlexAttention with the same mask; forward and forward+backward.
 
-    python -m benchmarks.sparse                        # H200 grid, bf16 -> benchmarks/results/<date>-<gpu>-sparse/
+    python -m benchmarks.sparse                        # the GPU grid, bf16 -> out/sparse/
     python -m benchmarks.sparse --quick                # one long T per family, hs=128
     python -m benchmarks.sparse --families dense,moba --head_dims 128
     python -m benchmarks.sparse --resume --out_dir D   # go on where a run that was cut off stopped
@@ -43,11 +43,10 @@ from benchmarks.attention import (
     PASSES,
     Shape,
     comma_list,
-    default_out_dir,
     failed_cell,
     measure,
 )
-from benchmarks.report import environment, write_json
+from benchmarks.report import default_out_dir, environment, write_json
 from benchmarks.sparse_report import write_report
 
 FAMILIES = ("dense", "window", "documents", "moba")
@@ -195,8 +194,7 @@ def measure_case(family: str, shape: Shape, todo: dict[str, list[str]], args, de
 
 def run(args) -> Path:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    default = default_out_dir(device)
-    out_dir = Path(args.out_dir or default.with_name(default.name + "-sparse"))
+    out_dir = Path(args.out_dir or default_out_dir("sparse"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results_path = out_dir / "results.json"
     settings = {
@@ -265,7 +263,7 @@ def parse_args(argv=None):
     p.add_argument("--doc_lengths", type=comma_list(int), help="lo,hi document lengths (default 100,2000)")
     p.add_argument("--rep_ms", type=float, default=100.0, help="time spent timing each cell (do_bench's rep)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per shape, as benchmarks/attention.py's")
-    p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-sparse/")
+    p.add_argument("--out_dir", help="default out/sparse/")
     p.add_argument("--resume", action="store_true", help="keep the cells already in out_dir/results.json")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

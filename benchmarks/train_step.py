@@ -2,10 +2,10 @@
 
     python -m benchmarks.train_step configs/shakespeare.py --backends sdpa,triton --rounds 5 --steps 20
 
-Every backend builds the same compiled model from train.py's config and flags (benchmarks/minimal_loop.py's
-step: forward, backward, clip, AdamW; nothing else), runs its warm-up steps (compilation, the kernels' tile
-tuning), and then the timed steps run in rounds: each round gives every backend `--steps` steps in turn, so
-a change of clocks or temperature during the run falls on all of them alike. Then a few steps per backend
+Every backend builds the same model from train.py's config and flags (make_step: forward, backward, clip,
+AdamW; nothing else), runs its warm-up steps (compilation, the kernels' tile tuning), and then the timed steps
+run in rounds: each round gives every backend `--steps` steps in turn, the order starting one further along
+each round, so a change of clocks or temperature during the run falls on all of them alike. Then a few steps per backend
 run under torch.profiler, which splits the GPU time of a step into attention kernels, matmuls and the rest:
 a difference in step time shows up as a difference in one of those, or (if the kernels' sum is well below
 the step: GPU idle) as host time. Writes results.json and results.md to --out_dir.
@@ -13,6 +13,9 @@ the step: GPU idle) as host time. Writes results.json and results.md to --out_di
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -21,16 +24,17 @@ if __name__ == "__main__" and not __package__:
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from attention import triton_flash
-from benchmarks.minimal_loop import make_step, timed_steps
-from benchmarks.report import environment, fmt, markdown_table, slug, write_json
+from attention import triton_tuner
+from benchmarks.report import environment, fmt, markdown_table, rotations, write_json
+from model import GPT
+from train import open_loader, pick_device, pick_dtype, set_tf32
 from training.config import ConfigError, parse_args
 from training.distributed import World
 
-# GPU kernels by name. Ours are _attn_fwd*/_attn_bwd_* (the Hopper backward's pre- and post-pass too); PyTorch's sdpa
-# runs cuDNN ("cudnn ... sdpa"), FlashAttention ("flash") or memory-efficient ("fmha") kernels. Attention is matched
-# first: cutlass names its fmha kernels too.
-ATTENTION_NAMES = ("_attn_", "flash", "fmha", "sdpa", "cudnn")
+# GPU kernels by name. Ours are attn_fwd*/attn_bwd_* (the Hopper backward's pre- and post-pass too) and _moba_*;
+# PyTorch's sdpa runs cuDNN ("cudnn ... sdpa"), FlashAttention ("flash") or memory-efficient ("fmha") kernels.
+# Attention is matched first: cutlass names its fmha kernels too.
+ATTENTION_NAMES = ("attn_", "moba", "flash", "fmha", "sdpa", "cudnn")
 MATMUL_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_")
 
 
@@ -41,6 +45,50 @@ def kernel_category(name: str) -> str:
     if any(part in lower for part in MATMUL_NAMES):
         return "matmul"
     return "other"
+
+
+def make_step(cfg, world: World, compile_mode: str = "default") -> tuple[Callable[[], None], torch.device, torch.dtype]:
+    """-> (step, device, dtype): step() runs one training step (forward and backward over the
+    gradient-accumulation micro-batches, clip, AdamW) of a model built from cfg, without syncing.
+    compile_mode: torch.compile's mode when cfg.compile ("reduce-overhead" replays CUDA graphs)."""
+    device = pick_device(cfg, world)
+    dtype = pick_dtype(cfg, device)
+    torch.manual_seed(cfg.seed)
+    set_tf32(cfg, device)
+    model = GPT(cfg.gpt_config()).to(device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    if cfg.compile:
+        model = torch.compile(model, mode=compile_mode)
+    loader = open_loader(cfg, "train", world)
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
+    grad_accum = cfg.grad_accum_steps(world.size)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(grad_accum):
+            x, y = loader.next_batch()
+            with autocast:
+                _, loss = model(x.to(device), y.to(device))
+            (loss / grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        optimizer.step()
+
+    return step, device, dtype
+
+
+def timed_steps(step: Callable[[], None], device: torch.device, n: int, wait_for_gpu: bool = True) -> list[float]:
+    """ms of each of n steps, each timed from a synced GPU to a synced GPU; with wait_for_gpu=False only
+    until step() returns, which is the host's time to issue the step's work."""
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda" and wait_for_gpu:
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
 
 
 def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | None = None) -> dict:
@@ -75,7 +123,7 @@ def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | No
 
 
 def tuner_choices(log: list[dict]) -> list[dict]:
-    """triton_flash.tuning_log as JSON: per tuned kernel and shape, its candidates (as text), fastest first. At
+    """triton_tuner.tuning_log as JSON: per tuned kernel and shape, its candidates (as text), fastest first. At
     GPT-2's shape the `tl` and Hopper kernels can be within the tuner's noise of each other, so this says which ran."""
     return [dict(kernel=entry["kernel"], shape=str(entry.get("key", (entry.get("Tq"), entry.get("Tk")))),
                  times_ms=dict(sorted(((_label(choice), ms) for choice, ms in entry["times_ms"].items()),
@@ -98,20 +146,20 @@ def main(argv=None) -> dict:
                    help="torch.compile mode; reduce-overhead replays CUDA graphs, so the host's time to issue a "
                         "step no longer counts")
     p.add_argument("--trace", action="store_true", help="also write each backend's profiled steps as trace_<backend>.json")
-    p.add_argument("--out_dir", help="default benchmarks/results/<date>-<gpu>-train-step/")
+    p.add_argument("--out_dir", default="out/train_step", help="where results.json and results.md go")
     args, train_argv = p.parse_known_args(argv)
 
     world = World()
     steps, cfgs = {}, {}
-    log_before, triton_flash.tuning_log = triton_flash.tuning_log, []  # what the tuner chose in the warm-up steps
+    log_before, triton_tuner.tuning_log = triton_tuner.tuning_log, []  # what the tuner chose in the warm-up steps
     for name in args.backends.split(","):
         cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
         steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode)
         timed_steps(steps[name], device, args.warmup)
     step_ms = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            step_ms[name] += timed_steps(step, device, args.steps)
+    for order in rotations(list(steps), args.rounds):
+        for name in order:
+            step_ms[name] += timed_steps(steps[name], device, args.steps)
 
     cfg = next(iter(cfgs.values()))
     tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size)
@@ -121,8 +169,7 @@ def main(argv=None) -> dict:
                                 warmup=args.warmup,
                                 rounds=args.rounds, steps=args.steps, profile_steps=args.profile_steps),
                "backends": {}}
-    out_dir = Path(args.out_dir or f"benchmarks/results/{results['environment']['date'][:10]}-"
-                                   f"{slug(results['environment']['gpu'] or 'cpu')}-train-step")
+    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, step in steps.items():
         median = statistics.median(step_ms[name])
@@ -134,8 +181,8 @@ def main(argv=None) -> dict:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
 
-    results["tuning"] = tuner_choices(triton_flash.tuning_log)
-    triton_flash.tuning_log = log_before
+    results["tuning"] = tuner_choices(triton_tuner.tuning_log)
+    triton_tuner.tuning_log = log_before
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(report(results))
     print(report(results))
@@ -160,7 +207,7 @@ def report(results: dict) -> str:
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
         f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds "
         f"x {s['steps']} steps per backend, "
-        f"rounds interleaved, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
+        f"rounds interleaved with the order rotating, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
         f"returning, before the GPU is done); GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
         f"wall time in which no kernel ran).\n",

@@ -1,3 +1,4 @@
+"""Fixtures and hooks only; what test modules share otherwise is in helpers.py."""
 import os
 import sys
 
@@ -28,8 +29,8 @@ def default_tiles(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def no_launch_plans():
-    """Each test starts without triton_flash's launch plans: a test that changes a setting the plans bind (a
+    """Each test starts without triton_dispatch's launch plans: a test that changes a setting the plans bind (a
     monkeypatched tile list, say) must see its first call take the whole path."""
-    triton_flash = sys.modules.get("attention.triton_flash")
-    if triton_flash is not None:
-        triton_flash._plans.clear()
+    triton_dispatch = sys.modules.get("attention.triton_dispatch")
+    if triton_dispatch is not None:
+        triton_dispatch.forget_plans()

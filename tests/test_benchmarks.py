@@ -1,7 +1,6 @@
 """The benchmarks at toy sizes on CPU: the kernel sweep and its report, and the training comparison's
 analysis (on synthetic metrics) and one real comparison of train.py."""
 import csv
-import itertools
 import json
 import os
 import re
@@ -9,23 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import ROOT, markdown_section, qkv, token_shards
 
 from benchmarks import attention as bench
-from benchmarks import compare, compare_report
+from benchmarks import compare, compare_report, report
 from benchmarks.attention_report import write_report
 from benchmarks.report import fmt
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def markdown_section(md: str, heading: str) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the table under `## heading`."""
-    lines = md.split(f"## {heading}\n", 1)[1].lstrip("\n").splitlines()
-    table = [[c.strip() for c in line.strip("|").split("|")] for line in itertools.takewhile(lambda l: l.startswith("|"), lines)]
-    return table[0], table[2:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +110,20 @@ def test_sweep_records_a_skip_and_resumes_without_remeasuring(tmp_path, monkeypa
     assert [(r["backend"], r["pass"]) for r in resumed["rows"][2:]] == [("naive", "bwd"), ("sdpa", "bwd")]
 
 
+def test_rotations_start_each_round_one_further_along():
+    assert report.rotations(["x", "y", "z"], 4) == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
+    assert report.rotations(["x"], 2) == [["x"], ["x"]]
+    assert report.rotations([], 2) == [[], []]
+
+
+def test_tools_write_under_out_by_default(tmp_path, monkeypatch):
+    # out/<name>/ (git-ignored), no longer dated folders under benchmarks/results/
+    assert report.default_out_dir("kernels") == Path("out") / "kernels"
+    monkeypatch.chdir(tmp_path)
+    args, _ = compare.parse_args(["--", "c.py"])
+    assert args.out_dir.parent == tmp_path / "out" and args.out_dir.name.startswith("compare-")
+
+
 @pytest.mark.slow
 def test_backends_are_timed_in_rounds_in_rotating_order_and_a_failure_stays_a_cell(monkeypatch):
     # a kernel runs at the clock the one timed before it left (docs/perf_notes.md): each round times every
@@ -149,35 +153,12 @@ def test_backends_are_timed_in_rounds_in_rotating_order_and_a_failure_stays_a_ce
     shape = bench.Shape(B=1, nh=1, T=4, hs=2, causal=True, group="grid")
     cells = bench.measure({"a": backend("a"), "b": backend("b", fails_on=4)}, shape,
                           {"a": ["fwd", "bwd"], "b": ["fwd"]}, torch.float32, torch.device("cpu"), 1.0, rounds=3)
-    assert bench.rotations(["x", "y", "z"], 4) == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
-    assert bench.rotations([], 2) == [[], []]
     # round 1: a/fwd a/bwd b/fwd; round 2 starts at a/bwd; b fails in round 2 (its 4th timing on) and is not
     # timed again
     assert timed == [("a", "fwd"), ("a", "bwd"), ("b", "fwd"), ("a", "bwd"), ("a", "fwd"), ("a", "fwd"), ("a", "bwd")]
     assert cells["a"]["fwd"]["status"] == "ok" and cells["a"]["fwd"]["ms"] == 2.0
     assert cells["b"]["fwd"]["status"] == "error: RuntimeError: out of luck" and cells["b"]["fwd"]["ms"] is None
     assert list(cells) == ["a", "b"] and list(cells["a"]) == ["fwd", "bwd"]
-
-
-def test_backward_probe_loads_variants_and_tables_best_tiles(tmp_path):
-    from benchmarks import backward_probe as probe
-
-    # a variant by module name (checked: the trailing !) or by file
-    copy = tmp_path / "variant.py"
-    copy.write_text("TILES = {64: [(2, False)]}\n")
-    name, module, checked = probe.load("package!=benchmarks.report")
-    assert (name, module.__name__, checked) == ("package", "benchmarks.report", True)
-    name, module, checked = probe.load(f"copy={copy}")
-    assert (name, module.TILES, checked) == ("copy", {64: [(2, False)]}, False)
-    assert probe.grid_cells(64)[0] == (16, 12, 1024, 64, True) and len(probe.grid_cells(128)) == 6
-    # cuDNN's time over each tile's, then over each variant's best tile
-    times = {"cudnn": 1.0, "base(2, False)": 0.5, "base(3, True)": 2.0, "new(2, False)": 4.0}
-    rows = [dict(B=1, H=2, T=64, D=64, causal=c, name=n, ms=ms * (1 + c)) for c in (True, False)
-            for n, ms in times.items()]
-    lines = probe.table(rows, ["base", "new"]).splitlines()
-    assert lines[0].startswith("cell | base(2, False) | base(3, True) | new(2, False) | best base | best new")
-    assert lines[1] == "B1 H2 T64 hs64 causal | 2.000 | 0.500 | 0.250 | 2.000 | 0.250"
-    assert lines[2] == "B1 H2 T64 hs64 full | 2.000 | 0.500 | 0.250 | 2.000 | 0.250"
 
 
 def test_compiled_backend_never_hits_the_recompile_limit_over_the_grid(tmp_path):
@@ -196,7 +177,7 @@ def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "benchmarks/attention.py", "--device", "cpu", "--backends", "sdpa,triton",
                     "--seq_lens", "16", "--head_dims", "16", "--causal", "true", "--tokens", "16", "--width", "16",
-                    "--rep_ms", "1", "--out_dir", str(tmp_path)], cwd=REPO, env=env, check=True, timeout=300)
+                    "--rep_ms", "1", "--out_dir", str(tmp_path)], cwd=ROOT, env=env, check=True, timeout=300)
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["status"] for r in results["rows"]] == ["ok"] * 6
     header, speedups = markdown_section((tmp_path / "results.md").read_text(),
@@ -337,10 +318,10 @@ def test_variants_flags_come_last_and_cannot_be_given_twice(tmp_path, capsys):
     args, train_args = compare.parse_args(["--variants", "dense:attn=triton", "window:attn=triton,window=256",
                                            "--out_dir", str(tmp_path), "--", "configs/x.py", "--max_steps=5"])
     assert list(args.variants) == ["dense", "window"] and args.reference == "dense"
-    cmd = compare.train_command("window", tmp_path / "window", args, train_args)
+    cmd = compare.train_command("window", args.seed, tmp_path / "window", args, train_args)
     assert cmd[-6:-3] == ["--max_steps=5", "--attn=triton", "--window=256"] and cmd[-1] == "--wandb_run_name=window"
     with pytest.raises(ValueError, match="compare.py sets --window per run"):  # it would change one variant only
-        compare.train_command("dense", tmp_path, args, ["--window=128"])
+        compare.train_command("dense", args.seed, tmp_path, args, ["--window=128"])
     for argv, message in ([["--variants", "a:", "a:window=8"], "two runs share a name"],
                           [["--variants", "a:", "--backends", "sdpa"], "not allowed with argument"],
                           [["--variants", "a:", "--reference", "b"], "--reference b is none of the runs: a"]):
@@ -352,31 +333,26 @@ def test_variants_flags_come_last_and_cannot_be_given_twice(tmp_path, capsys):
 def test_train_command_lets_user_flags_override_defaults_but_not_per_backend_ones(tmp_path):
     args, train_args = compare.parse_args(["--backends", "sdpa,triton", "--out_dir", str(tmp_path), "--wandb", "true",
                                            "--", "configs/x.py", "--max_steps=5", "--seed=7"])
-    cmd = compare.train_command("triton", tmp_path / "triton", args, train_args)
+    cmd = compare.train_command("triton", args.seed, tmp_path / "triton", args, train_args)
     assert cmd[1].endswith("train.py") and cmd[2] == "configs/x.py"  # config files first: flags override them
     assert cmd.index("--seed=1337") < cmd.index("--seed=7")  # train.py applies left to right: the user's seed wins
     assert "--wandb=true" in cmd and f"--wandb_group={tmp_path.name}" in cmd and "--wandb_run_name=triton" in cmd
     assert cmd[-4:-2] == ["--attn=triton", f"--out_dir={tmp_path / 'triton'}"]
     with pytest.raises(ValueError, match="compare.py sets --attn"):
-        compare.train_command("sdpa", tmp_path, args, ["--attn=naive"])
+        compare.train_command("sdpa", args.seed, tmp_path, args, ["--attn=naive"])
     assert compare.parse_args(["--", "c.py"])[0].variants == {b: {"attn": b} for b in ("naive", "compile", "sdpa", "triton")}
 
 
 def toy_token_shards(tmp_path) -> Path:
     """A data folder of random train and val tokens under a vocabulary of 512, for toy train.py runs."""
-    data = tmp_path / "data"
-    data.mkdir()
-    tokens = np.random.default_rng(0).integers(0, 512, size=20_000)
-    for split in ("train", "val"):
-        np.save(data / f"{split}_000000.npy", tokens.astype(np.uint16))
-    return data
+    return token_shards(tmp_path / "data", 512, {"train": 20_000, "val": 20_000})
 
 
 @pytest.mark.slow
 def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
     data, out = toy_token_shards(tmp_path), tmp_path / "cmp"
     code = compare.main(["--backends", "naive,sdpa", "--out_dir", str(out), "--wandb", "false", "--skip_steps", "0", "--",
-                         str(REPO / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4", "--log_interval=1",
+                         str(ROOT / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4", "--log_interval=1",
                          "--warmup_steps=1", "--eval_interval=2", "--eval_iters=1", "--sample_interval=0"])
     assert code == 0
     b = json.loads((out / "comparison.json").read_text())["backends"]
@@ -395,7 +371,7 @@ def test_compare_runs_named_variants_dense_window_and_moba(tmp_path):
     # smoke_cpu.py: T=64, head dim 16; MoBA blocks of 32 (the interpreter's tile), its own block only
     variants = ["dense:attn=sdpa", "window:attn=sdpa,window=8", "moba:attn=moba,moba_block=32,moba_topk=0"]
     code = compare.main(["--variants", *variants, "--out_dir", str(out), "--wandb", "false", "--skip_steps", "0", "--",
-                         str(REPO / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4",
+                         str(ROOT / "configs" / "smoke_cpu.py"), f"--data_dir={data}", "--vocab_size=512", "--max_steps=4",
                          "--n_layer=1", "--batch_size=2", "--log_interval=1", "--warmup_steps=1", "--eval_interval=2",
                          "--eval_iters=1", "--sample_interval=0"])
     assert code == 0
@@ -412,49 +388,13 @@ def test_compare_runs_named_variants_dense_window_and_moba(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_sustained_report_compares_each_shape_with_its_first_implementation():
-    from benchmarks.sustained import report
-
-    def row(T, impl, do_bench_us, sustained_us):
-        return dict(family="window", B=1, nh=16, T=T, hs=128, causal=True, pass_="fwd+bwd", impl=impl,
-                    do_bench_us=do_bench_us, sustained_us=sustained_us, mj_per_call=1000.0, sm_mhz=1800.0)
-
-    rows = [row(8192, "flex", 1500.0, 1600.0), row(8192, "triton", 1250.0, 2000.0),
-            row(16384, "flex", 3000.0, 3000.0), row(16384, "triton", 3000.0, 1500.0)]
-    env = dict(gpu="NVIDIA H200", driver="1", torch="2", triton="3", date="today")
-    text = report(rows, env, seconds=1.5)
-    assert "back to back for 1.5 s" in text
-    cells = [line.split(" | ") for line in text.splitlines() if line.startswith("| window")]
-    assert [(c[5], c[7], c[9]) for c in cells] == [("flex", "1", "1"), ("triton", "1.2", "0.8"),
-                                                  ("flex", "1", "1"), ("triton", "1", "2")]
-
-
-def test_timeline_finds_a_slower_late_kernel_and_a_gpu_waiting_for_the_host():
-    from benchmarks.profile_kernels import timeline_table
-
-    trace, t = [], 0.0
-    for call in range(6):  # two kernels per call; "b" slows down late in the run and waits for its launch
-        for name, dur, gap, lead in (("a", 100.0, 1.0, 50.0), ("b", 200.0 if call < 3 else 260.0, 30.0, 0.0)):
-            t += gap
-            correlation = 2 * call + (name == "b")
-            trace.append(dict(cat="kernel", name=name, ts=t, dur=dur, args=dict(correlation=correlation)))
-            trace.append(dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=t - lead - 5, dur=5.0,
-                              args=dict(correlation=correlation)))
-            t += dur
-    lines = timeline_table(trace, calls=6).splitlines()
-    first, last, idle, lead, name = lines[3].split()
-    assert (name, float(first), float(last), float(idle), float(lead)) == ("b", 200, 260, 30, 0)
-    first, last, idle, lead, name = lines[2].split()
-    assert (name, float(first), float(last), float(idle), float(lead)) == ("a", 100, 100, 1, 50)
-
-
 def test_launch_timeline_marks_the_triton_function_and_restores_it():
     from attention.triton_op import FlashAttentionFunction
     from benchmarks import launch_overhead
 
     plain = FlashAttentionFunction.forward, FlashAttentionFunction.backward
-    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 2, 32, 16)
+    q, k, v = qkv(1, 2, 2, 32, 32, 16, requires_grad=True)
+    do = torch.randn_like(q)
     spans = {backend: launch_overhead.timeline(backend, q, k, v, do, calls=3, sync=lambda: None)
              for backend in ("triton", "sdpa")}
     names = [name for name, _, _ in launch_overhead.SPANS]

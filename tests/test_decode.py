@@ -1,9 +1,9 @@
 """decode_attention: one query per sequence against a KV-cache buffer with per-row valid lengths."""
 import pytest
 import torch
+from helpers import projection_views, qkv
 
-from attention import triton_decode, triton_flash
-from attention.decode import decode_attention
+from attention import decode_attention, triton_decode, triton_tuner
 from attention.triton_decode import split_plan
 
 BACKENDS = ["naive", "sdpa", "triton"]
@@ -32,11 +32,10 @@ def reference(q, k_cache, v_cache, lengths, scale=None):
 
 
 def make_inputs(B, Hq, Hkv, max_len, D, dtype, device="cpu", seed=0):
-    g = torch.Generator(device).manual_seed(seed)
-    # q as the model makes it: a (B, Hq, 1, D) strided view into the (B, 1, 3C) qkv projection
-    qkv = torch.randn(B, 1, 3 * Hq * D, generator=g, device=device, dtype=dtype)
-    q = qkv[..., : Hq * D].view(B, 1, Hq, D).transpose(1, 2)
-    k_cache, v_cache = torch.randn(2, B, Hkv, max_len, D, generator=g, device=device, dtype=dtype).unbind(0)
+    """q as the model makes it, a (B, Hq, 1, D) strided view into a (B, 1, 3C) qkv projection, and fresh random
+    (B, Hkv, max_len, D) key and value buffers, every position of them written."""
+    q = projection_views(B, 1, Hq, D, dtype, device, seed=seed)[0]
+    _, k_cache, v_cache = qkv(B, Hq, Hkv, 1, max_len, D, dtype, device, seed=seed + 1)
     return q, k_cache, v_cache
 
 
@@ -94,7 +93,7 @@ def test_gpu_key_tiles_shrink_with_the_head_dim_to_fit_two_programs_per_sm(monke
     assert chosen[64, 2] == 64 and chosen[256, 4] < chosen[128, 4] < chosen[128, 2] == 64  # GPT-2's: 64 keys
     for (d, size), block_n in chosen.items():
         tile = (16, block_n, triton_decode.NUM_WARPS, triton_decode.NUM_STAGES)
-        assert 2 * triton_flash.smem_bytes("fwd", tile, d, size) <= triton_flash.SMEM_BUDGET
+        assert 2 * triton_tuner.smem_bytes("fwd", tile, d, size) <= triton_tuner.SMEM_BUDGET
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -110,16 +109,24 @@ def test_bad_inputs_raise_clear_errors():
         decode_attention(q, k_cache, v_cache, torch.tensor([3, 4, 5]))
     with pytest.raises(ValueError, match="cache_len is on meta"):
         decode_attention(q, k_cache, v_cache, n.to("meta"))
-    with pytest.raises(ValueError, match="max_len 0"):
+    with pytest.raises(ValueError, match=r"k has seq_len 0 \(shape \(2, 1, 0, 16\)\)"):  # an empty cache buffer
         decode_attention(q, k_cache[:, :, :0], v_cache[:, :, :0], n)
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):  # check_qkv's checks apply
         decode_attention(q, k_cache.expand(2, 3, 8, 16), v_cache.expand(2, 3, 8, 16), n)
     with pytest.raises(ValueError, match="unknown attention backend 'flash9000'; choose one of"):
         decode_attention(q, k_cache, v_cache, n, backend="flash9000")
-    with pytest.raises(TypeError, match="float16, bfloat16 and float32"):  # the triton kernel's own limits
+    with pytest.raises(TypeError, match="the triton attention kernels support float16, bfloat16 and float32"):
         decode_attention(q.double(), k_cache.double(), v_cache.double(), n, backend="triton")
-    with pytest.raises(ValueError, match="head_dim 16..256, got 8"):
+    with pytest.raises(ValueError, match="the triton attention kernels support head_dim 16..256, got 8"):
         decode_attention(q[..., :8], k_cache[..., :8], v_cache[..., :8], n, backend="triton")
+
+
+def test_a_backend_without_a_kv_cache_step_is_refused():
+    # MoBA picks blocks for a whole sequence at once (attention.Backend.kv_cache False): no one-query form
+    q, k_cache, v_cache = make_inputs(2, 2, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="backend 'moba' attends whole sequences only and has no KV-cache decode "
+                                         "step; decode with a dense backend"):
+        decode_attention(q, k_cache, v_cache, torch.tensor([3, 4]), backend="moba")
 
 
 @pytest.mark.gpu

@@ -3,10 +3,11 @@ import json
 
 import pytest
 import torch
+from helpers import random_tokens, registered_backend
 
-import attention
 import model as model_module
-from attention.decode import decode_attention
+from attention import decode_attention
+from attention.naive import naive_attention
 from benchmarks import generate as bench
 from model import GPT, DecodeStep, GPTConfig, KVCache
 
@@ -32,7 +33,7 @@ def tiny_model(attn="naive", **overrides):
 
 
 def prompt(B=2, T=3):
-    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(1))
+    return random_tokens(B, T, TINY["vocab_size"], seed=1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -51,13 +52,13 @@ def test_cache_runs_one_query_per_step_until_the_window_is_full(monkeypatch):
 
     def spy(q, k, v, causal, scale):
         seen.append(("attention", q.size(2), k.size(2)))
-        return attention.registry.naive_attention(q, k, v, causal, scale)
+        return naive_attention(q, k, v, causal, scale)
 
     def decode_spy(q, k_cache, v_cache, cache_len, backend):
         seen.append(("decode", q.size(2), k_cache.size(2), cache_len.tolist()))
         return decode_attention(q, k_cache, v_cache, cache_len, backend="naive")
 
-    monkeypatch.setitem(attention.registry._BACKENDS, "spy", spy)
+    registered_backend(monkeypatch, "spy", spy)
     monkeypatch.setattr(model_module, "decode_attention", decode_spy)
     tiny_model("spy", block_size=8).generate(prompt(), 8, temperature=0)
     per_step = seen[::TINY["n_layer"]]
@@ -82,7 +83,7 @@ def test_sampling_with_a_fixed_seed_is_the_same_with_and_without_cache():
 def test_cached_logits_match_the_full_forward(backend):
     # prefill 5 tokens, then a block of 3 (Tq > 1 against the cache), then single tokens
     model = tiny_model(backend)
-    idx = torch.randint(0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(2))
+    idx = random_tokens(2, 11, TINY["vocab_size"], seed=2)
     full, _ = model(idx)  # (B, T, vocab)
     caches = [KVCache(max_len=11) for _ in range(TINY["n_layer"])]
     with torch.no_grad():
@@ -96,7 +97,7 @@ def test_cached_logits_match_the_full_forward(backend):
 def test_static_decode_step_logits_match_the_full_forward(backend):
     # prefill 4 tokens, then the static step of generate() for each of the next 6
     model = tiny_model(backend)
-    idx = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
+    idx = random_tokens(2, 10, TINY["vocab_size"], seed=3)
     full, _ = model(idx)  # (B, T, vocab)
     caches = [KVCache(max_len=12) for _ in range(TINY["n_layer"])]  # 2 positions never written
     with torch.no_grad():
@@ -187,7 +188,7 @@ def test_gpu_greedy_tokens_same_with_and_without_cache_and_graph(backend):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=12, n_embd=768, attn=backend))
     model = with_large_weights(model.cuda().eval())
-    idx = torch.randint(0, 64, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    idx = random_tokens(2, 64, 64, seed=1, device="cuda")
     uncached = model.generate(idx, 96, temperature=0, use_cache=False)  # past block_size: the window slides
     assert len(uncached[0, 64:].unique()) > 3
     assert torch.equal(model.generate(idx, 96, temperature=0, cuda_graph=False), uncached)

@@ -1,12 +1,12 @@
 """attention/launch.py: two launches share a key only if Triton would compile them alike, so a kept kernel never
-runs on arguments it was not compiled for. triton_flash's launch plans: likewise one plan per dense call that
+runs on arguments it was not compiled for. triton_dispatch's launch plans: likewise one plan per dense call that
 launches alike, and later calls run it on their own tensors."""
 import types
 
 import torch
-from test_triton import assert_matches_fp64, assert_qkvpacked_matches_fp64, qkv
+from helpers import assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv, whole_paths
 
-from attention import triton_flash
+from attention import triton_dispatch
 from attention.launch import launch_key
 
 
@@ -46,16 +46,6 @@ def test_what_triton_specialises_on_separates_keys():
     assert key(descriptor(shifted.view(8, 64), (4, 64))) != desc
 
 
-def whole_paths(monkeypatch) -> list[str]:
-    """Records each call that took the whole path (and so built a plan) instead of running a kept plan."""
-    taken = []
-    for name in ("_forward_plan", "_backward_plan"):
-        whole_path = getattr(triton_flash, name)
-        monkeypatch.setattr(triton_flash, name, lambda *args, _path=whole_path, _name=name: taken.append(_name)
-                            or _path(*args))
-    return taken
-
-
 def test_later_calls_run_the_plan_on_their_own_tensors(monkeypatch):
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
@@ -80,7 +70,7 @@ def test_a_call_that_launches_otherwise_gets_its_own_plan(monkeypatch):
     assert_matches_fp64(q, k, v, causal=True, window=(8, 0))  # sparse: the whole path every time, no plan
     assert_matches_fp64(q, k, v, causal=True, window=(8, 0))
     assert taken[10:] == ["_forward_plan", "_backward_plan"] * 2
-    assert len(triton_flash._plans) == 10
+    assert len(triton_dispatch._plans) == 10
 
 
 def test_calls_through_the_operators_run_plans(monkeypatch):
@@ -92,30 +82,33 @@ def test_calls_through_the_operators_run_plans(monkeypatch):
     for _ in range(2):
         q, k, v = qkv(Tq=37, Tk=37, D=32)
         o, lse = flash_attn_fwd(q, k, v, True, 0.2)
-        torch.testing.assert_close(o, triton_flash.forward(q, k, v, True, 0.2)[0])
+        torch.testing.assert_close(o, triton_dispatch.forward(q, k, v, True, 0.2)[0])
         flash_attn_bwd(torch.randn_like(q), q, k, v, o, lse, True, 0.2)
     assert taken == ["_forward_plan", "_backward_plan"]
 
 
 def plan_key(*tensors, causal=True):
-    return triton_flash._plan_key("fwd", causal, triton_flash.DENSE, *tensors)
+    return triton_dispatch._plan_key("fwd", causal, triton_dispatch.DENSE, *tensors)
 
 
 def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
-    buf = torch.randn(2 * 3 * 40 * 32 + 1)
-    q, k = buf[:-1].view(2, 3, 40, 32), torch.randn(2, 3, 40, 32)
+    q, k, _ = qkv(2, 3, 3, 40, 40, 32)
+    shifted = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # the same values 4 bytes off alignment
     base = plan_key(q, k, k)
     assert plan_key(q.clone(), k.clone(), k.clone()) == base  # other values and addresses
-    assert plan_key(buf[1:].view(2, 3, 40, 32), k, k) != base  # 16-byte alignment
+    assert plan_key(shifted, k, k) != base  # 16-byte alignment
     assert plan_key(q.transpose(1, 2).contiguous().transpose(1, 2), k, k) != base  # strides
     assert plan_key(q[:, :, :39], k, k) != base  # shape
     assert plan_key(q.half(), k, k) != base
     assert plan_key(q, k, k, causal=False) != base
-    window = triton_flash.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
-    assert triton_flash._plan_key("fwd", True, window, q, k, k) not in (None, base)
-    blocks = triton_flash.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
-    assert triton_flash._plan_key("fwd", True, blocks, q, k, k) is None
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")  # the settings a test or a user may change
+    window = triton_dispatch.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
+    assert triton_dispatch._plan_key("fwd", True, window, q, k, k) not in (None, base)
+    blocks = triton_dispatch.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
+    assert triton_dispatch._plan_key("fwd", True, blocks, q, k, k) is None
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")  # the settings a test or a user may change
+    assert plan_key(q, k, k) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
     assert plan_key(q, k, k) != base
     monkeypatch.undo()
     torch.use_deterministic_algorithms(True)
@@ -131,5 +124,17 @@ def test_plans_write_the_packed_gradient_into_the_callers_tensor(monkeypatch):
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
     for _ in range(2):
-        assert_qkvpacked_matches_fp64(torch.randn(1, 37, 3, 2, 32))
+        assert_qkvpacked_matches_fp64(packed_qkv(1, 37, 2, 32))
     assert taken == ["_forward_plan", "_backward_plan"]
+
+
+def test_forgetting_the_plans_makes_the_next_call_take_the_whole_path(monkeypatch):
+    # what conftest.py does before every test, and what a change to a setting the plans bind needs
+    taken = whole_paths(monkeypatch)
+    q, k, v = qkv(Tq=20, Tk=20, D=16)
+    first = [triton_dispatch.forward(q, k, v, True, 0.25)[0] for _ in range(2)]
+    assert taken == ["_forward_plan"] and len(triton_dispatch._plans) == 1
+    triton_dispatch.forget_plans()
+    assert triton_dispatch._plans == {}
+    assert torch.equal(triton_dispatch.forward(q, k, v, True, 0.25)[0], first[0])
+    assert torch.equal(first[0], first[1]) and taken == ["_forward_plan"] * 2

@@ -3,9 +3,9 @@ import json
 import math
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
+from helpers import TRAIN_KEYS, random_tokens, token_shards
 
 from benchmarks.compare_report import write_report
 from examples import train_llama
@@ -14,14 +14,12 @@ from examples.llama import Llama, LlamaConfig, apply_rope, rope_angles
 VOCAB = 64
 # 4 query heads share 2 kv heads; 64 / 4 = head size 16, the smallest the Triton kernel takes
 TINY = LlamaConfig(block_size=16, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
-TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_gb", "attn",
-              "warmup"}
 
 
 def test_shapes_and_initial_loss():
     torch.manual_seed(0)
     model = Llama(TINY)
-    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    idx, targets = random_tokens(2, 16, VOCAB, seed=1), random_tokens(2, 16, VOCAB, seed=2)
     logits, loss = model(idx, targets)
     assert logits.shape == (2, 16, VOCAB)
     assert abs(loss.item() - math.log(VOCAB)) < 0.1  # small init: close to a uniform guess
@@ -101,7 +99,7 @@ def logits_and_grads(backend: str, state: dict, idx, targets):
 def test_backends_agree_with_sdpa(backend):
     torch.manual_seed(0)
     state = Llama(TINY).state_dict()
-    idx, targets = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    idx, targets = random_tokens(2, 16, VOCAB, seed=1), random_tokens(2, 16, VOCAB, seed=2)
     ref_logits, ref_grads = logits_and_grads("sdpa", state, idx, targets)
     logits, grads = logits_and_grads(backend, state, idx, targets)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
@@ -111,8 +109,7 @@ def test_backends_agree_with_sdpa(backend):
 
 def test_training_lowers_loss_and_writes_metrics(tmp_path):
     # a repeating 40-token phrase: learnable within a few steps
-    phrase = np.random.default_rng(0).integers(0, VOCAB, 40)
-    np.save(tmp_path / "train_000000.npy", np.resize(phrase, 4_000).astype(np.uint16))
+    token_shards(tmp_path, VOCAB, {"train": 4_000}, phrase=40)
     out_dir = tmp_path / "llama" / "sdpa"
     shape = [f"--{k}={getattr(TINY, k)}" for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")]
     train_llama.main([*shape, "--attn=sdpa", f"--data_dir={tmp_path}", f"--out_dir={out_dir}", "--device=cpu",

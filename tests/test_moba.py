@@ -1,17 +1,16 @@
 """MoBA's block selection against its definition (own block first, past blocks only, top-k by
-q . mean(k)), its mask, and the dense references against a query-by-query float64 loop."""
+q . mean(k)), its mask, the dense references against a query-by-query float64 loop, and what the "moba"
+backend of attention() refuses before any kernel runs. The Triton kernels: test_moba_triton.py."""
 import pytest
 import torch
+from helpers import qkv
 
-from attention import attention
-from attention.moba import moba_attention, moba_mask, moba_select
+from attention import attention, get_backend
+from attention.moba import block_means, check_moba_args, moba_attention, moba_keys_per_query, moba_mask, moba_select
 
 
 def _qkv(B=2, Hq=4, Hkv=2, T=70, D=8, dtype=torch.float64, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, T, D, dtype=dtype, generator=gen)
-    k, v = (torch.randn(B, Hkv, T, D, dtype=dtype, generator=gen) for _ in range(2))
-    return q, k, v
+    return qkv(B, Hq, Hkv, T, T, D, dtype, seed=seed)
 
 
 def brute_force_selection(q, k, block_size, topk) -> list:
@@ -117,10 +116,10 @@ def test_enough_blocks_is_dense_causal_and_none_is_block_local():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ({"block_size": 8}, "block_size must be an int >= 16"),
-        ({"block_size": 16.0}, "block_size must be an int >= 16"),
-        ({"topk": -1}, "topk must be an int >= 0"),
-        ({"topk": True}, "topk must be an int >= 0"),
+        ({"block_size": 8}, "moba_block must be an int >= 16"),
+        ({"block_size": 16.0}, "moba_block must be an int >= 16"),
+        ({"topk": -1}, "moba_topk must be an int >= 0"),
+        ({"topk": True}, "moba_topk must be an int >= 0"),
         ({"backend": "flex"}, "backend 'triton' or a dense reference"),
     ],
 )
@@ -136,3 +135,51 @@ def test_decoding_shapes_are_rejected():
         moba_attention(q[:, :, -1:], k, v, block_size=16, backend="naive")
     with pytest.raises(ValueError, match="multiple of the number of key/value heads"):
         moba_select(q[:, :3], k, 16, 1)
+
+
+def test_block_means_are_the_mean_key_of_each_block_the_last_one_shorter():
+    _, k, _ = _qkv(T=40, dtype=torch.float32)  # blocks of 16, 16 and 8 keys
+    means = block_means(k, 16)
+    assert means.shape == (2, 2, 3, 8) and means.dtype == torch.float32
+    expected = torch.stack([k[:, :, :16].mean(2), k[:, :, 16:32].mean(2), k[:, :, 32:].mean(2)], dim=2)
+    torch.testing.assert_close(means, expected)
+    assert block_means(k.half(), 16).dtype == torch.float32  # summed in float32 at least
+
+
+def test_check_moba_args_wants_as_many_queries_as_keys():
+    q, k, _ = _qkv(T=32)
+    check_moba_args(q, k, 16, 1)  # passes
+    with pytest.raises(ValueError, match="same length, got Tq=31 and Tk=32"):
+        check_moba_args(q[:, :, 1:], k, 16, 1)
+    with pytest.raises(ValueError, match="moba_block must be an int >= 16"):
+        check_moba_args(q, k, 15, 1)
+
+
+def test_keys_per_query_is_its_own_block_and_topk_more():
+    assert moba_keys_per_query() == 4 * 512  # the defaults: the paper's 512-key blocks, 3 earlier ones
+    assert moba_keys_per_query(moba_block=128, moba_topk=0) == 128
+    assert get_backend("moba").keys_per_query is moba_keys_per_query
+
+
+# ---------------------------------------------------------------------------------------------
+# the "moba" backend of attention(): what it refuses, before its kernels run
+
+
+def test_the_backend_is_causal_self_attention_only():
+    q, k, v = _qkv(T=64, D=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="MoBA is causal attention.*causal=True"):
+        attention(q, k, v, causal=False, backend="moba", moba_block=32)
+    with pytest.raises(ValueError, match="same length, got Tq=1 and Tk=64; for decoding"):
+        attention(q[:, :, -1:], k, v, backend="moba", moba_block=32)  # a single query keeps its causal flag here
+
+
+def test_the_backend_runs_the_kernels_so_it_takes_what_they_take():
+    # moba_triton leaves the dtype and head-dim checks to its caller, the backend
+    q, k, v = _qkv(T=64, D=16)
+    with pytest.raises(TypeError, match="the triton attention kernels support float16, bfloat16 and float32, got "
+                                        "torch.float64"):
+        attention(q, k, v, backend="moba", moba_block=32)
+    q, k, v = _qkv(T=64, D=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="the triton attention kernels support head_dim 16..256, got 8"):
+        attention(q, k, v, backend="moba", moba_block=32)
+

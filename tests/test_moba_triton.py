@@ -1,19 +1,22 @@
 """The fused MoBA kernels (attention/triton_moba.py) against float64, forward and backward, on the CPU
-interpreter (small blocks) and, marked gpu, at training sizes in bf16."""
+interpreter (small blocks) and, marked gpu, at training sizes in bf16; and the same kernels as the "moba" backend
+of attention() and attention_qkvpacked()."""
 import pytest
 import torch
-from test_triton import out_and_grads
+from helpers import assert_fn_matches_fp64, assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv
 
-from attention.moba import moba_attention, moba_mask, moba_select
+from attention import attention, unpack_qkv
+from attention.moba import block_means, moba_attention, moba_mask, moba_select
 from attention.naive import naive_attention
 from attention.triton_moba import entry_lists, moba_gate, moba_triton, work_items
 
 
 def assert_moba_matches_fp64(B, Hq, Hkv, T, D, block_size, topk, dtype, device="cpu"):
-    """err(triton) <= 2 * err(dense reference in the same dtype) + 1e-5 for out, dq, dk, dv, the
-    selection made once (on the float64 inputs) so every run attends to the same blocks."""
+    """The kernels' out, dq, dk, dv by the float64 criterion (helpers.py), judged by the dense reference of the same
+    selection (naive attention under its mask) in the same dtype; the selection made once (on the float64 inputs)
+    so every run attends to the same blocks."""
     torch.manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, T, D, dtype=dtype, device=device) for H in (Hq, Hkv, Hkv, Hq))
+    q, k, v = qkv(B, Hq, Hkv, T, T, D, dtype, device)
     selection = moba_select(q.double(), k.double(), block_size, topk)
     visible = moba_mask(selection, block_size, T)
     scale = D ** -0.5
@@ -21,13 +24,7 @@ def assert_moba_matches_fp64(B, Hq, Hkv, T, D, block_size, topk, dtype, device="
     def reference(*t):
         return naive_attention(*t, causal=True, scale=scale, visible=visible)
 
-    exact = out_and_grads(reference, q.double(), k.double(), v.double(), do.double())
-    math = out_and_grads(reference, q, k, v, do)
-    ours = out_and_grads(lambda *t: moba_triton(*t, selection, block_size, scale), q, k, v, do)
-    for name, ref, theirs, mine in zip(("out", "dq", "dk", "dv"), exact, math, ours):
-        err_math = (theirs.double() - ref).abs().max().item()
-        err_ours = (mine.double() - ref).abs().max().item()
-        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs the reference's {err_math:.3g}"
+    assert_fn_matches_fp64(lambda *t: moba_triton(*t, selection, block_size, scale), reference, q, k, v)
 
 
 @pytest.mark.parametrize(
@@ -53,8 +50,7 @@ def test_moba_own_block_tile_skipping_matches_fp64(dtype):
 
 
 def test_entry_lists_group_every_selected_pair_by_block():
-    torch.manual_seed(0)
-    q, k = torch.randn(2, 3, 90, 16), torch.randn(2, 3, 90, 16)
+    q, k, _ = qkv(2, 3, 3, 90, 90, 16, seed=0)
     selection = moba_select(q, k, 32, 2)  # (2, 3, 90, 3)
     order, first, count = entry_lists(selection, 32)
     S = selection.shape[-1]
@@ -87,7 +83,7 @@ def test_moba_matches_fp64_gpu(B, Hq, Hkv, T, D, block_size, topk, dtype):
 @pytest.mark.gpu
 def test_moba_compiled_matches_eager():
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 4, 2048, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    q, k, v = qkv(1, 4, 4, 2048, 2048, 64, torch.bfloat16, "cuda", requires_grad=True)
 
     def step(q, k, v):
         return moba_attention(q, k, v, block_size=512, topk=2).float().square().sum()
@@ -100,15 +96,58 @@ def test_moba_compiled_matches_eager():
 
 @pytest.mark.parametrize("Hkv, T, topk", [(2, 100, 2), (4, 64, 5), (1, 130, 1)])
 def test_fused_gate_selects_like_moba_select(Hkv, T, topk):
-    torch.manual_seed(0)
-    q, k = torch.randn(2, 4, T, 16), torch.randn(2, Hkv, T, 16)
-    assert torch.equal(moba_gate(q, k, 16, topk), moba_select(q, k, 16, topk))
+    q, k, _ = qkv(2, 4, Hkv, T, T, 16, seed=0)
+    assert torch.equal(moba_gate(q, block_means(k, 16), 16, topk), moba_select(q, k, 16, topk))
 
 
 @pytest.mark.gpu
 def test_fused_gate_selects_like_moba_select_gpu():
     # bf16 inputs, scores in fp32 summed in a different order than cuBLAS's: near-ties may flip
-    torch.manual_seed(0)
-    q, k = (torch.randn(1, 8, 8192, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    same = moba_gate(q, k, 512, 3) == moba_select(q, k, 512, 3)
+    q, k, _ = qkv(1, 8, 8, 8192, 8192, 128, torch.bfloat16, "cuda", seed=0)
+    same = moba_gate(q, block_means(k, 512), 512, 3) == moba_select(q, k, 512, 3)
     assert same.float().mean() > 0.999
+
+
+# ---------------------------------------------------------------------------------------------
+# the "moba" backend of attention(): the same kernels, the selection made inside
+
+
+def moba_reference(block_size: int, topk: int):
+    """MoBA's dense reference (moba_attention(backend="naive")): its selection as a (T, T) mask over naive
+    attention, in the dtype it is given."""
+    return lambda q, k, v: moba_attention(q, k, v, block_size, topk, backend="naive")
+
+
+@pytest.mark.parametrize("Hq, Hkv, T, topk, dtype", [
+    (2, 1, 96, 1, torch.float32),  # GQA; the last block's queries pick 1 of 2 earlier blocks
+    (2, 2, 112, 2, torch.float16),  # a ragged last block of 16; empty slots in block 1, 2 of 3 past blocks in 3
+])
+def test_backend_matches_the_dense_reference_by_the_fp64_criterion(Hq, Hkv, T, topk, dtype):
+    # blocks of 32, the interpreter's tile (a GPU takes multiples of 128)
+    torch.manual_seed(0)
+    q, k, v = qkv(1, Hq, Hkv, T, T, 16, dtype)
+    # the float64 reference selects as the kernels do on these inputs (no near-tie flips)
+    assert torch.equal(moba_select(q, k, 32, topk), moba_select(q.double(), k.double(), 32, topk))
+    out, *_ = assert_matches_fp64(q, k, v, backend="moba", reference=moba_reference(32, topk), moba_block=32,
+                                  moba_topk=topk)
+    # the selection is sparse: dense causal attention differs
+    assert not torch.allclose(out, attention(q, k, v, backend="naive"), atol=1e-2)
+
+
+def test_packed_backend_matches_the_dense_reference_by_the_fp64_criterion():
+    torch.manual_seed(0)
+    qkv_packed = packed_qkv(1, 70, 2, 16)  # q, k, v: strided views of one tensor
+    assert torch.equal(moba_select(*unpack_qkv(qkv_packed)[:2], 32, 1),
+                       moba_select(*unpack_qkv(qkv_packed.double())[:2], 32, 1))
+    out, dqkv = assert_qkvpacked_matches_fp64(
+        qkv_packed, backend="moba", reference=lambda packed: moba_reference(32, 1)(*unpack_qkv(packed)),
+        moba_block=32, moba_topk=1)
+    assert dqkv.shape == qkv_packed.shape
+    assert torch.equal(out, attention(*unpack_qkv(qkv_packed), backend="moba", moba_block=32, moba_topk=1))
+
+
+def test_blocks_smaller_than_the_kernels_tiles_are_refused():
+    q, k, v = qkv(1, 2, 2, 48, 48, 16)
+    with pytest.raises(ValueError, match="block_size=16 is smaller than every tile of one of them; use a multiple "
+                                         "of 128"):
+        attention(q, k, v, backend="moba", moba_block=16)  # the interpreter's tiles are 32 and 16 rows

@@ -1,11 +1,18 @@
+"""model.py: GPT-2's shapes and parameter counts, Hugging Face weights, every backend giving the same model, the
+attention settings of GPTConfig (window, a backend's options, sparsity) and what they change."""
+import json
 import math
+import re
 
 import pytest
 import torch
+from helpers import random_tokens, registered_backend
 
 import attention
 import model as model_module
+from attention.masks import causal_mask, window_mask
 from attention.moba import moba_attention
+from attention.naive import naive_attention
 from model import GPT, GPTConfig, load_hf_state_dict
 
 # tiny but with every feature: 2 layers, 3 heads of 16 channels (the smallest head tl.dot takes), GPT-2's vocabulary
@@ -18,7 +25,7 @@ def tiny_model(seed=0, **overrides):
 
 
 def tokens(B=2, T=12, seed=1):
-    return torch.randint(0, TINY["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+    return random_tokens(B, T, TINY["vocab_size"], seed)
 
 
 def test_124M_parameter_count():
@@ -118,17 +125,70 @@ def test_load_gpt2model_layout_with_mask_buffers():
     torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_load_hf_state_dict_rejects_mismatches(tmp_path):
+def test_load_hf_state_dict_rejects_mismatches():
     sd = random_hf_gpt2().state_dict()
-    with pytest.raises(ValueError, match="vocab_size=50257"):
+    with pytest.raises(ValueError, match=r"transformer.wte.weight: checkpoint shape \(50257, 48\) != model shape "
+                                         r"\(50304, 48\).*vocab_size=50257"):
         load_hf_state_dict(tiny_model(vocab_size=50304), sd)
     with pytest.raises(ValueError, match="bias=True"):
         load_hf_state_dict(tiny_model(bias=False), sd)
+
+
+def test_a_mismatched_tensor_is_named_with_both_shapes_and_nothing_is_loaded():
+    # every shape is checked before the first copy: a late mismatch must not leave a half-loaded model
+    sd = random_hf_gpt2().state_dict()
+    sd["transformer.ln_f.weight"] = torch.randn(40)  # after every block's weights in the state dict's order
+    model = tiny_model()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"transformer.ln_f.weight: checkpoint shape \(40,\) != model shape \(48,\)"):
+        load_hf_state_dict(model, sd)
+    after = model.state_dict()
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert not torch.equal(after["transformer.wte.weight"], sd["transformer.wte.weight"])  # it would have changed
+
+
+def test_from_pretrained_refuses_what_is_not_a_gpt2_state_dict(tmp_path):
     with pytest.raises(ValueError, match="neither a GPT-2 name"):
         GPT.from_pretrained("no/such/file.bin")
-    torch.save(sd, tmp_path / "weights.pt")  # no config.json beside it and n_embd=48: n_head unknowable
-    with pytest.raises(ValueError, match="config.json"):
+    torch.save({"weight": torch.randn(3, 3)}, tmp_path / "other.pt")
+    (tmp_path / "config.json").write_text('{"n_head": 2}')
+    with pytest.raises(ValueError, match="holds no GPT-2 token and position embeddings"):
+        GPT.from_pretrained(str(tmp_path / "other.pt"))
+
+
+def test_a_weights_file_without_config_json_needs_n_head(tmp_path):
+    # no weight shape reveals n_head: 48 channels could be 3 heads of 16 or 4 of 12, and a guess loads silently wrong
+    hf = random_hf_gpt2()
+    torch.save(hf.state_dict(), tmp_path / "weights.pt")
+    with pytest.raises(ValueError, match=r"has no config.json beside it.*pass n_head= "
+                                         r"\(GPT.from_pretrained\(path, n_head=12\)\)"):
         GPT.from_pretrained(str(tmp_path / "weights.pt"))
+    model = GPT.from_pretrained(str(tmp_path / "weights.pt"), n_head=TINY["n_head"])
+    assert model.config.n_head == TINY["n_head"]
+    idx = tokens()
+    torch.testing.assert_close(model(idx)[0], hf(idx).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_attention_heads": 3}, None),  # the key a newer HF config uses
+    ({"n_head": 3, "n_embd": 48}, None),
+    ({"n_embd": 48}, "gives no n_head (got None)"),
+    ({"n_head": "3"}, "gives no n_head (got '3')"),
+    ("not json {", "is not a JSON config"),
+])
+def test_n_head_comes_from_the_config_json_beside_the_weights(tmp_path, config, message):
+    hf = random_hf_gpt2()
+    torch.save(hf.state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if message is not None:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GPT.from_pretrained(str(tmp_path / "weights.pt"))
+        # n_head= needs no config.json to read
+        assert GPT.from_pretrained(str(tmp_path / "weights.pt"), n_head=3).config.n_head == 3
+    else:
+        model = GPT.from_pretrained(str(tmp_path / "weights.pt"))
+        assert model.config.n_head == 3
+        torch.testing.assert_close(model(tokens())[0], hf(tokens()).logits, rtol=1e-5, atol=1e-5)
 
 
 BACKENDS = ["naive", "compile", "sdpa", "triton"]
@@ -161,9 +221,9 @@ def test_attention_gets_strided_views_not_copies(monkeypatch):
 
     def spy(q, k, v, causal, scale):
         seen.append((q.is_contiguous(), k.is_contiguous(), v.is_contiguous(), causal))
-        return attention.registry.naive_attention(q, k, v, causal, scale)
+        return naive_attention(q, k, v, causal, scale)
 
-    monkeypatch.setitem(attention.registry._BACKENDS, "spy", spy)
+    registered_backend(monkeypatch, "spy", spy)
     tiny_model(attn="spy")(tokens())
     assert seen == [(False, False, False, True)] * TINY["n_layer"]
 
@@ -219,28 +279,70 @@ def test_optimizer_groups():
 
 
 # ---------------------------------------------------------------------------------------------
-# Sparse attention: a sliding window (any backend) and MoBA (its Triton kernel)
+# Sparse attention: a sliding window (backends that take masks) and MoBA (a backend with options of its own)
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(window=-1), r"window must be an int >= 0 \(previous tokens"),
     (dict(window=8.0), "window must be an int"),
-    (dict(attn="moba", moba_block=8), r"moba_block must be an int >= 16 \(keys per MoBA block"),
-    (dict(moba_topk=-1), "moba_topk must be an int >= 0"),
-    (dict(attn="moba", window=8), "window=8 with attn='moba' asks for two sparse attentions at once; pick one"),
-    (dict(attn="mobba"), "choose one of: .*triton, moba"),
+    (dict(attn="moba", attn_options={"moba_block": 8}), r"moba_block must be an int >= 16 \(keys per MoBA block"),
+    (dict(attn="moba", attn_options={"moba_topk": -1}), "moba_topk must be an int >= 0"),
+    (dict(attn="moba", attn_options={"block": 128}), r"'moba' got unknown option\(s\) \['block'\]; its options are "
+                                                     "moba_block, moba_topk"),
+    (dict(attn_options={"moba_block": 128}), r"'sdpa' got unknown option\(s\) \['moba_block'\]; it takes no options"),
+    (dict(attn="moba", attn_options=[("moba_block", 128)]), "attn_options must be a dict"),
+    (dict(attn="moba", window=8), "window=8 with attn='moba': that backend takes no sliding window; pick window=0"),
+    (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, moba, naive, sdpa, triton"),
 ])
 def test_sparse_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**overrides)
 
 
-def test_sparsity_and_flops_count_the_keys_a_query_reads():
-    assert GPTConfig().sparsity() == {} and GPTConfig(attn="triton", window=256).sparsity() == {"window": 256}
-    moba = GPTConfig(attn="moba", moba_block=128, moba_topk=3)
-    assert moba.sparsity() == {"moba_block": 128, "moba_topk": 3}
+def test_attn_options_are_checked_and_filled_with_the_backends_defaults():
+    assert GPTConfig(attn="moba").attn_options == {"moba_block": 512, "moba_topk": 3}
+    assert GPTConfig(attn="moba", attn_options={"moba_block": 128}).attn_options == {"moba_block": 128,
+                                                                                      "moba_topk": 3}
+    assert GPTConfig(attn="triton").attn_options == {}
+    config = GPTConfig(**TINY, attn="moba", attn_options={"moba_topk": 1})
+    assert GPT(config).transformer.h[0].attn.options == {"moba_block": 512, "moba_topk": 1}  # what every layer passes
+
+
+def test_sparsity_names_what_the_model_computes_beyond_dense_causal_attention():
+    assert GPTConfig().sparsity() == {} == GPTConfig(attn="triton").sparsity()  # exact backends: no difference
+    assert GPTConfig(attn="triton", window=256).sparsity() == {"window": 256} == GPTConfig(window=256).sparsity()
+    moba = GPTConfig(attn="moba", attn_options={"moba_block": 128})
+    assert moba.sparsity() == {"attn": "moba", "moba_block": 128, "moba_topk": 3}
+    assert moba.sparsity() != GPTConfig(attn="moba").sparsity()  # other options: another function
+
+
+def test_a_registered_backend_with_options_is_configured_like_moba(monkeypatch):
+    def scaled(q, k, v, causal, scale, factor):
+        return attention.attention(q, k, v, causal, scale, backend="naive") * factor
+
+    registered_backend(monkeypatch, "test_scaled", scaled, options={"factor": 1.0}, exact=False,
+                       keys_per_query=lambda factor: 4)
+    config = GPTConfig(**TINY, attn="test_scaled", attn_options={"factor": 0.5})
+    assert config.attn_options == {"factor": 0.5}
+    assert config.sparsity() == {"attn": "test_scaled", "factor": 0.5}  # not exact: its options are the model's
+    with pytest.raises(ValueError, match="that backend takes no sliding window"):  # no supports_masks
+        GPTConfig(**{**TINY, "attn": "test_scaled", "window": 4})
+    with pytest.raises(ValueError, match="unknown option"):
+        GPTConfig(**TINY, attn="test_scaled", attn_options={"factr": 0.5})
+    idx = tokens()
+    torch.manual_seed(0)
+    half = GPT(config).eval()
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**TINY, attn="test_scaled")).eval()
+    assert not torch.allclose(half(idx)[0], plain(idx)[0], atol=1e-3)  # the option reaches every layer
+    per_key = 12 * TINY["n_layer"] * TINY["n_embd"]
+    assert plain.flops_per_token() - 6 * plain.num_params() == per_key * 4  # its own bound on the keys a query reads
+
+
+def test_flops_count_the_keys_a_query_reads():
     with torch.device("meta"):
         dense, window = GPT(GPTConfig.preset("124M")), GPT(GPTConfig.preset("124M", window=256))
-        moba, wide_moba = GPT(GPTConfig.preset("124M", attn="moba", moba_block=128)), GPT(GPTConfig.preset("124M", attn="moba"))
+        moba = GPT(GPTConfig.preset("124M", attn="moba", attn_options={"moba_block": 128}))
+        wide_moba = GPT(GPTConfig.preset("124M", attn="moba"))
     per_key = 12 * 12 * 768  # score and value matmuls per key, over all layers
     assert dense.flops_per_token() - window.flops_per_token() == per_key * (1024 - 257)
     assert dense.flops_per_token() - moba.flops_per_token() == per_key * (1024 - 4 * 128)
@@ -251,14 +353,14 @@ def explicit_window_backend(window: int):
     """An attention backend that applies the window as an explicit dense (Tq, Tk) mask."""
     def attend(q, k, v, causal, scale):
         Tq, Tk = q.shape[2], k.shape[2]
-        visible = attention.masks.window_mask(Tq, Tk, (window, 0)) & attention.masks.causal_mask(Tq, Tk)
-        return attention.registry.naive_attention(q, k, v, causal=False, scale=scale, visible=visible)
+        visible = window_mask(Tq, Tk, (window, 0)) & causal_mask(Tq, Tk)
+        return naive_attention(q, k, v, causal=False, scale=scale, visible=visible)
     return attend
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa", "triton"])
 def test_window_model_matches_an_explicit_window_mask(backend, monkeypatch):
-    monkeypatch.setitem(attention.registry._BACKENDS, "window4", explicit_window_backend(4))
+    registered_backend(monkeypatch, "window4", explicit_window_backend(4))
     idx = tokens()  # T=12: every query past the 5th loses keys to the window
     logits = tiny_model(attn=backend, window=4)(idx)[0]
     torch.testing.assert_close(logits, tiny_model(attn="window4")(idx)[0], rtol=1e-5, atol=1e-5)
@@ -282,26 +384,27 @@ def test_window_model_generates_the_same_with_and_without_the_cache(monkeypatch)
     assert calls[:layers] == [(5, 5, (4, 0))] * layers
     assert calls[layers:2 * layers] == [(1, 5, (4, 0))] * layers
     assert all(Tk <= 5 for Tq, Tk, _ in calls if Tq == 1)
-    with pytest.raises(ValueError, match="and a model without window or MoBA"):
+    with pytest.raises(ValueError, match="and a dense model without window"):
         model.generate(idx, 1, cuda_graph=True)
 
 
-def moba_reference_backend(block_size: int, topk: int):
-    """An attention backend running MoBA's dense reference: the same block selection as a (T, T) mask."""
-    def attend(q, k, v, causal, scale):
-        return moba_attention(q, k, v, block_size, topk, scale, backend="naive")
-    return attend
+def moba_reference(q, k, v, causal, scale, moba_block, moba_topk):
+    """A backend running MoBA's dense reference: the same block selection as a (T, T) mask over naive attention."""
+    return moba_attention(q, k, v, moba_block, moba_topk, scale, backend="naive")
 
 
 def test_moba_model_matches_the_dense_reference_of_its_selection(monkeypatch):
     # T=96 in blocks of 32 (the interpreter's tile; a GPU needs multiples of 128): the last block's
     # queries pick 1 of 2 earlier blocks, so the selection is really exercised
-    monkeypatch.setitem(attention.registry._BACKENDS, "moba_naive", moba_reference_backend(32, 1))
+    moba = attention.get_backend("moba")
+    registered_backend(monkeypatch, "moba_naive", moba_reference, options=moba.options, exact=False, kv_cache=False)
     shape = dict(block_size=96, n_layer=1, n_head=2, n_embd=32)  # head dim 16
     idx, targets = tokens(T=96), tokens(T=96, seed=2)
     results = {}
-    for attn in ("moba", "moba_naive", "naive"):
-        model = tiny_model(**shape, attn=attn, moba_block=32, moba_topk=1)
+    for attn, options in (("moba", {"moba_block": 32, "moba_topk": 1}), ("moba_naive", {"moba_block": 32,
+                                                                                          "moba_topk": 1}),
+                          ("naive", {})):
+        model = tiny_model(**shape, attn=attn, attn_options=options)
         logits, loss = model(idx, targets)
         loss.backward()
         results[attn] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -313,11 +416,11 @@ def test_moba_model_matches_the_dense_reference_of_its_selection(monkeypatch):
 
 
 def test_moba_model_generates_without_a_cache():
-    model = tiny_model(block_size=8, n_layer=1, n_head=2, n_embd=32, attn="moba", moba_block=32)
+    model = tiny_model(block_size=8, n_layer=1, n_head=2, n_embd=32, attn="moba", attn_options={"moba_block": 32})
     idx = tokens(B=1, T=3)
     out = model.generate(idx, 2, temperature=0)  # use_cache=True is overridden: MoBA has no one-query form
     assert torch.equal(out, model.generate(idx, 2, temperature=0, use_cache=False))
-    with pytest.raises(ValueError, match="a MoBA model runs without KV caches"):
+    with pytest.raises(ValueError, match="attn='moba' attends whole sequences only .* runs without KV caches"):
         model(idx, kv_caches=[model_module.KVCache(8)])
 
 
@@ -329,3 +432,5 @@ def test_from_pretrained_weights_with_a_window(tmp_path):
     idx = tokens()
     torch.testing.assert_close(model(idx)[0][:, :5], hf(idx).logits[:, :5], rtol=1e-5, atol=1e-5)  # inside the window
     assert not torch.allclose(model(idx)[0][:, 5:], hf(idx).logits[:, 5:], atol=1e-3)
+    moba = GPT.from_pretrained(str(tmp_path / "model.safetensors"), attn="moba", attn_options={"moba_block": 32})
+    assert moba.config.sparsity() == {"attn": "moba", "moba_block": 32, "moba_topk": 3}

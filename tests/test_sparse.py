@@ -4,20 +4,11 @@ interpreter's mask blocks are 32 wide (tiles 16/32), so T of 70-130 has skipped,
 blocks and a ragged last one."""
 import pytest
 import torch
-from test_triton import assert_matches_fp64, qkv
+from helpers import assert_matches_fp64, packed_document_ids, qkv
 
 from attention import BlockMask, attention
 from attention.block_mask import FULL, PARTIAL, SKIP
 from attention.masks import dense_mask
-
-
-def packed_document_ids(B, T, lengths_per_row):
-    """(B, T) ids of packed documents: row b holds documents of the given lengths, the last one cut at T."""
-    rows = []
-    for lengths in lengths_per_row:
-        ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        rows.append(ids[:T])
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize(

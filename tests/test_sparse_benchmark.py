@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import markdown_section, qkv
 
 from attention import attention
 from attention.masks import dense_mask, mask_fn_mask
@@ -12,7 +13,6 @@ from benchmarks import sparse
 from benchmarks.attention import Shape
 from benchmarks.report import fmt
 from benchmarks.sparse_report import write_report
-from tests.test_benchmarks import markdown_section
 
 TOY = sparse.parse_args(["--device", "cpu"])  # window 16, MoBA block 16 top-2, documents of 5..40 tokens
 
@@ -37,7 +37,7 @@ def test_visible_pairs_count_the_masks(T):
     for family, kw in rules.items():
         visible = dense_mask(T, T, causal=True, batch=B, **kw).expand(B, 1, T, T)
         assert sparse.visible_pairs(family, B, T, TOY, ids) == int(visible.sum()), family
-    q, k = torch.randn(B, 3, T, 8), torch.randn(B, 3, T, 8)
+    q, k, _ = qkv(B, 3, 3, T, T, 8)
     per_head = moba_mask(moba_select(q, k, TOY.block_size, TOY.topk), TOY.block_size, T).sum((-1, -2))
     assert (per_head.sum(0) == sparse.visible_pairs("moba", B, T, TOY)).all()
 
@@ -56,7 +56,7 @@ def test_flex_mask_mods_are_the_masks_of_our_calls(family, rules):
 @pytest.mark.slow
 def test_flex_runs_the_window_mask_on_cpu_forward():
     # FlexAttention's backward is CUDA-only, but its compiled forward runs here (~10 s to compile)
-    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    q, k, v = qkv(1, 2, 2, 128, 128, 16)
     run = sparse.flex("window", TOY, None, Shape(1, 2, 128, 16, True, "grid"), "cpu")
     torch.testing.assert_close(run(q, k, v, True), attention(q, k, v, window=(16, 0), backend="naive"))
 

@@ -2,8 +2,7 @@
 CPU interpreter cannot do bf16). Skipped without a GPU (see conftest.py)."""
 import pytest
 import torch
-from test_sparse import packed_document_ids
-from test_triton import assert_matches_fp64, qkv
+from helpers import assert_matches_fp64, packed_document_ids, qkv
 
 from attention import BlockMask, attention
 

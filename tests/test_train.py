@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, TRAIN_KEYS, token_shards
 
 import train
 from model import GPT, GPTConfig
@@ -21,14 +23,11 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import ConfigError, TrainConfig, parse_args
 from training.logger import RunLogger, peak_flops
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 64
 # tiny: 2 layers, 2 heads of 16 channels, 16-token context, 4 sequences per batch
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, batch_size=4, device="cpu",
             wandb=False, sample_interval=0, eval_interval=0, eval_iters=2, log_interval=1,
             checkpoint_interval=0, warmup_steps=2, learning_rate=1e-2, min_lr=1e-3, seed=0)
-TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_gb", "attn",
-              "warmup"}
 VAL_KEYS = {"step", "val_loss", "attn"}
 
 
@@ -37,14 +36,7 @@ def data_dir(tmp_path_factory):
     """Shards in the data package's format: a repeating 40-token phrase with 10% random tokens,
     learnable enough for the loss to fall within a few steps."""
     folder = tmp_path_factory.mktemp("tokens")
-    rng = np.random.default_rng(0)
-    phrase = rng.integers(0, VOCAB, 40)
-    for split, n_tokens in (("train", 20_000), ("val", 4_000)):
-        tokens = np.resize(phrase, n_tokens)
-        noise = rng.random(n_tokens) < 0.1
-        tokens[noise] = rng.integers(0, VOCAB, noise.sum())
-        np.save(folder / f"{split}_000000.npy", tokens.astype(np.uint16))
-    return str(folder)
+    return str(token_shards(folder, VOCAB, {"train": 20_000, "val": 4_000}, phrase=40, noise=0.1))
 
 
 def tiny_config(out_dir, data_dir, **overrides) -> TrainConfig:
@@ -63,7 +55,7 @@ def without_timing(records: list[dict]) -> list[dict]:
 def run_cli(*args, timeout=120, **popen_kwargs):
     # CUDA_VISIBLE_DEVICES="": the subprocess must take the CPU path even on a GPU machine
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout, **popen_kwargs)
 
 
@@ -157,7 +149,7 @@ def test_window_run_records_its_window_and_resumes_only_with_it(tmp_path, data_d
     assert [r["step"] for r in read_metrics(tmp_path / "window")[0]] == [0, 1, 2]
 
 
-def test_moba_run_trains_through_the_triton_kernel(tmp_path, data_dir):
+def test_moba_run_trains_through_the_triton_kernel_and_resumes_only_as_moba(tmp_path, data_dir):
     # T=64 in MoBA blocks of 32 (the interpreter's tile; a GPU needs multiples of 128); topk=0 leaves
     # each query its own block only, so the model differs from dense causal attention
     settings = dict(max_steps=2, block_size=64, batch_size=2, n_layer=1, moba_block=32, moba_topk=0)
@@ -166,7 +158,44 @@ def test_moba_run_trains_through_the_triton_kernel(tmp_path, data_dir):
     moba, dense = ([r["train_loss"] for r in read_metrics(tmp_path / run)[0]] for run in ("moba", "dense"))
     assert np.isfinite(moba).all() and moba != dense
     config = load_checkpoint(tmp_path / "moba" / "ckpt.pt")["model_config"]
-    assert (config["attn"], config["moba_block"], config["moba_topk"]) == ("moba", 32, 0)
+    assert (config["attn"], config["attn_options"]) == ("moba", {"moba_block": 32, "moba_topk": 0})
+
+    # a checkpoint is resumed as the function it trained: not MoBA as dense attention, nor the other way round,
+    # nor MoBA with other blocks; the refusal says which flags trained it
+    more = {**settings, "max_steps": 3}
+    with pytest.raises(ConfigError, match=r"sparse attention \{'attn': 'moba', 'moba_block': 32, 'moba_topk': 0\} "
+                                         r"but this run asks for none; resume with the settings that trained it: "
+                                         r"--attn=moba --window=0 --moba_block=32 --moba_topk=0"):
+        train.train(tiny_config(tmp_path / "moba", data_dir, resume=True, **{**more, "attn": "sdpa"}))
+    with pytest.raises(ConfigError, match="resume with the settings that trained it: --attn=moba"):
+        train.train(tiny_config(tmp_path / "moba", data_dir, resume=True, attn="moba", **{**more, "moba_block": 64}))
+    with pytest.raises(ConfigError, match=r"sparse attention none but this run asks for \{'attn': 'moba', "
+                                         r"'moba_block': 32, 'moba_topk': 0\}; resume with the settings that trained "
+                                         r"it: --attn=sdpa --window=0"):
+        train.train(tiny_config(tmp_path / "dense", data_dir, resume=True, attn="moba", **more))
+    assert [r["step"] for r in read_metrics(tmp_path / "moba")[0]] == [0, 1]  # nothing ran
+    # the dense checkpoint on another exact backend: the same function, resumed
+    train.train(tiny_config(tmp_path / "dense", data_dir, resume=True, attn="naive", **more))
+    assert [r["step"] for r in read_metrics(tmp_path / "dense")[0]] == [0, 1, 2]
+
+
+def test_build_model_compares_what_the_checkpoint_and_the_run_compute(tmp_path):
+    # build_model alone, on checkpoints made in memory: the same sparsity resumes (backend may change), another not
+    def checkpoint(**attention_settings):
+        model = GPT(tiny_config(tmp_path, "unused", **attention_settings).gpt_config())
+        return {"model_config": asdict(model.config), "model": model.state_dict()}
+
+    moba = checkpoint(attn="moba", moba_block=32)
+    resumed = train.build_model(tiny_config(tmp_path, "unused", attn="moba", moba_block=32, dropout=0.1), moba)
+    assert resumed.config.attn_options == {"moba_block": 32, "moba_topk": 3} and resumed.config.dropout == 0.1
+    assert torch.equal(resumed.lm_head.weight, moba["model"]["lm_head.weight"])
+    for run in (dict(attn="triton"), dict(attn="moba", moba_topk=1), dict(attn="sdpa", window=8)):
+        with pytest.raises(ConfigError, match="--attn=moba --window=0 --moba_block=32 --moba_topk=3"):
+            train.build_model(tiny_config(tmp_path, "unused", **run), moba)
+    window = checkpoint(window=8)
+    assert train.build_model(tiny_config(tmp_path, "unused", attn="naive", window=8), window).config.attn == "naive"
+    with pytest.raises(ConfigError, match="resume with the settings that trained it: --attn=sdpa --window=8"):
+        train.build_model(tiny_config(tmp_path, "unused", attn="moba", moba_block=32), window)
 
 
 def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
@@ -196,20 +225,25 @@ def test_wandb_logs_offline_without_an_api_key(tmp_path, data_dir, monkeypatch):
     assert len(offline_runs) == 1 and offline_runs[0].name.endswith(run_id)  # kept so --resume continues it
 
 
-def test_minimal_loop_runs_train_py_settings(data_dir, capsys):
-    from benchmarks import minimal_loop
-
-    median_ms = minimal_loop.main(cli_flags(**{**TINY, "data_dir": data_dir, "max_steps": 5}))
-    assert median_ms > 0
-    assert "minimal loop, attn=sdpa, B=4, T=16, cpu" in capsys.readouterr().out
-
-
-def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path):
+def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path, monkeypatch):
     from benchmarks import train_step
 
+    # which backend's steps each timed_steps call ran: the warm-ups, then rounds whose order rotates
+    timed, make_step, timed_steps = [], train_step.make_step, train_step.timed_steps
+
+    def tagged_step(cfg, *args, **kwargs):
+        step, device, dtype = make_step(cfg, *args, **kwargs)
+        step.attn = cfg.attn
+        return step, device, dtype
+
+    monkeypatch.setattr(train_step, "make_step", tagged_step)
+    monkeypatch.setattr(train_step, "timed_steps", lambda step, device, n, **kwargs: timed.append((step.attn, n))
+                        or timed_steps(step, device, n, **kwargs))
     settings = {k: v for k, v in TINY.items() if k != "attn"}
     results = train_step.main(["--backends=naive,sdpa", "--warmup=1", "--rounds=2", "--steps=2", "--profile_steps=1",
                                f"--out_dir={tmp_path}", *cli_flags(**settings, data_dir=data_dir)])
+    # the warm-ups; round 1; round 2, starting one further along (then the host-time and profiled steps)
+    assert timed[:6] == [("naive", 1), ("sdpa", 1), ("naive", 2), ("sdpa", 2), ("sdpa", 2), ("naive", 2)]
     for name in ("naive", "sdpa"):
         r = results["backends"][name]
         assert len(r["step_ms"]) == 4 and r["median_ms"] > 0  # 2 rounds x 2 steps
@@ -231,7 +265,7 @@ def test_train_step_records_the_tuners_choices():
 
 
 @pytest.mark.parametrize("name, category", [
-    ("_attn_bwd_dkdv", "attention"), ("_attn_bwd_prepare", "attention"),
+    ("attn_bwd_dkdv", "attention"), ("attn_bwd_prepare", "attention"), ("attn_fwd_ws", "attention"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", "attention"),
     ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"), ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "matmul"),
@@ -274,7 +308,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
 def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path})
-    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 90
@@ -317,10 +351,20 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
 def test_sparse_attention_flags_reach_the_model_config():
     assert parse_args(["--attn=triton", "--window=256"]).gpt_config().sparsity() == {"window": 256}
     moba = parse_args(["--attn=moba", "--moba_block=128", "--moba_topk=3"]).gpt_config()
-    assert moba.attn == "moba" and moba.sparsity() == {"moba_block": 128, "moba_topk": 3}
-    cfg = parse_args([str(REPO / "configs" / "shakespeare_sparse.py"), "--attn=moba"])
+    assert moba.attn == "moba" and moba.attn_options == {"moba_block": 128, "moba_topk": 3}
+    assert moba.sparsity() == {"attn": "moba", "moba_block": 128, "moba_topk": 3}
+    cfg = parse_args([str(ROOT / "configs" / "shakespeare_sparse.py"), "--attn=moba"])
     assert (cfg.model, cfg.block_size, cfg.moba_block, cfg.moba_topk, cfg.window) == ("gpt2", 1024, 128, 3, 0)
-    assert parse_args([str(REPO / "configs" / "shakespeare_sparse.py"), "--window=256"]).gpt_config().window == 256
+    assert parse_args([str(ROOT / "configs" / "shakespeare_sparse.py"), "--window=256"]).gpt_config().window == 256
+
+
+def test_attention_settings_pass_the_chosen_backends_options_only():
+    # the moba_* flags are MoBA's options: a dense run keeps them (as flags) but hands its backend none
+    assert parse_args(["--attn=moba", "--moba_block=128"]).attention_settings() == {
+        "attn": "moba", "window": 0, "attn_options": {"moba_block": 128, "moba_topk": 3}}
+    assert parse_args(["--attn=sdpa", "--moba_block=128", "--window=8"]).attention_settings() == {
+        "attn": "sdpa", "window": 8, "attn_options": {}}
+    assert parse_args(["--attn=sdpa", "--moba_block=128"]).gpt_config().attn_options == {}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -329,10 +373,12 @@ def test_sparse_attention_flags_reach_the_model_config():
     (["--learning_rate=fast"], "--learning_rate takes a float"),
     (["--compile=yes"], "--compile takes true/false/1/0"),
     (["--batch_size"], "--batch_size needs a value"),
-    (["--attn=flashy"], "unknown attn='flashy'; choose one of: compile, naive, sdpa"),
-    (["--attn=moba", "--window=8"], "model: window=8 with attn='moba' asks for two sparse attentions at once"),
+    (["--attn=flashy"], "unknown attention backend 'flashy'; choose one of: compile, moba, naive, sdpa, triton"),
+    (["--init_from=gpt2", "--attn=flashy"], "unknown attention backend 'flashy'; choose one of"),
+    (["--attn=moba", "--window=8"], "model: window=8 with attn='moba': that backend takes no sliding window"),
     (["--window=-1"], "GPTConfig.window must be an int >= 0"),
-    (["--init_from=gpt2", "--attn=moba", "--moba_block=8"], "GPTConfig.moba_block must be an int >= 16"),
+    (["--attn=moba", "--moba_topk=-1"], "model: moba_topk must be an int >= 0"),
+    (["--init_from=gpt2", "--attn=moba", "--moba_block=8"], "model: moba_block must be an int >= 16"),
     (["--batch_size=3", "--block_size=16", "--total_batch_size=100"], "total_batch_size=100 is not a multiple of"),
     (["--n_layer=2", "--n_head=3", "--n_embd=32"], "n_embd=32 is not divisible by n_head=3"),
     (["--model=gpt5"], "unknown preset 'gpt5'"),
@@ -389,4 +435,5 @@ def test_bad_runs_fail_before_training(tmp_path, data_dir, overrides, message):
 def test_cli_prints_the_error_without_a_traceback():
     result = run_cli("train.py", "--attn=flashy", "--device=cpu", timeout=60)
     assert result.returncode != 0
-    assert "train.py: error: unknown attn='flashy'" in result.stderr and "Traceback" not in result.stderr
+    assert "train.py: error: " in result.stderr and "unknown attention backend 'flashy'" in result.stderr
+    assert "Traceback" not in result.stderr

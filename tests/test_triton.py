@@ -1,57 +1,18 @@
 """The Triton FlashAttention kernel on the CPU, through Triton's interpreter (conftest.py sets
 TRITON_INTERPRET=1). Sizes stay tiny: the interpreter runs every program one after the other in
 numpy. bfloat16 is left to tests/test_triton_gpu.py: the interpreter's tl.dot cannot do it."""
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 import torch
-import triton
+from helpers import (ROOT, assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
+                     assert_qkvpacked_matches_fp64, packed_qkv, projection_views, qkv)
 
-from attention import (attention, attention_qkvpacked, causal_mask, triton_flash, triton_hopper,
-                       triton_hopper_backward)
+from attention import (attention, attention_qkvpacked, causal_mask, triton_dispatch, triton_flash, triton_hopper,
+                       triton_hopper_backward, triton_support)
 from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def out_and_grads(fn, q, k, v, do):
-    """fn(q, k, v) and its gradients for the upstream gradient do, on fresh leaves that keep the
-    inputs' strides (detach() shares storage), so strided views reach the kernel as views."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    return (out, *torch.autograd.grad(out, (q, k, v), do))
-
-
-def assert_matches_fp64(q, k, v, causal=True, scale=None, **sparse):
-    """Forward and dq, dk, dv of the kernel against float64, judged by PyTorch's math attention (the
-    naive backend) in the same dtype: err(ours) <= 2 * err(math) + 1e-5 for each of the four.
-    sparse: window / document_ids / block_mask, passed to attention() for both.
-
-    err is the max absolute error vs float64: a bug confined to one tile (a wrong mask on the
-    diagonal, a ragged edge) shows up in a few elements, which a norm over the tensor dilutes."""
-    do = torch.randn(q.shape, dtype=q.dtype, device=q.device)
-    exact = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive", **sparse),
-                          q.double(), k.double(), v.double(), do.double())
-    math = out_and_grads(lambda *t: attention(*t, causal, scale, backend="naive", **sparse), q, k, v, do)
-    if sparse:
-        ours = out_and_grads(lambda *t: attention(*t, causal, scale, backend="triton", **sparse), q, k, v, do)
-    else:
-        ours = out_and_grads(lambda *t: flash_attention(*t, causal, scale), q, k, v, do)
-    for name, ref, theirs, mine in zip(("out", "dq", "dk", "dv"), exact, math, ours):
-        assert mine.shape == ref.shape and mine.dtype == q.dtype, name
-        err_math = (theirs.double() - ref).abs().max().item()
-        err_ours = (mine.double() - ref).abs().max().item()
-        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
-
-
-def qkv(B=1, Hq=2, Hkv=2, Tq=37, Tk=37, D=32, dtype=torch.float32, device="cpu"):
-    """Fresh random q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D)."""
-
-    def randn(H, T):
-        return torch.randn(B, H, T, D, dtype=dtype, device=device)
-
-    return randn(Hq, Tq), randn(Hkv, Tk), randn(Hkv, Tk)
 
 
 # The interpreter tiles are 32x16 (forward, dQ) and 16x32 (dK/dV): T = 37 and 70 leave ragged last
@@ -91,38 +52,15 @@ def test_custom_scale():
 def test_fused_qkv_views():
     # q, k, v as the model makes them: split a (B, T, 3C) projection, view heads, transpose
     torch.manual_seed(0)
-    B, T, nh, hs = 2, 37, 2, 24
-    qkv_proj = torch.randn(B, T, 3 * nh * hs, dtype=torch.float16)
-    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
+    q, k, v = projection_views(2, 37, 2, 24, torch.float16)
     assert not q.is_contiguous()
     assert_matches_fp64(q, k, v, causal=True)
-
-
-def assert_qkvpacked_matches_fp64(qkv_packed, **sparse):
-    """attention_qkvpacked on the triton backend: output and the gradient of qkv against float64, judged by
-    math attention in the same dtype as assert_matches_fp64 does; -> (out, dqkv) for further checks."""
-    do = torch.randn(qkv_packed.shape[0], qkv_packed.shape[3], qkv_packed.shape[1], qkv_packed.shape[4],
-                     dtype=qkv_packed.dtype, device=qkv_packed.device)  # (B, nh, T, hs)
-
-    def run(packed, backend):
-        packed = packed.detach().requires_grad_()
-        out = attention_qkvpacked(packed, backend=backend, **sparse)
-        return out, *torch.autograd.grad(out, packed, do.to(packed.dtype))
-
-    exact, math, ours = run(qkv_packed.double(), "naive"), run(qkv_packed, "naive"), run(qkv_packed, "triton")
-    for name, ref, theirs, mine in zip(("out", "dqkv"), exact, math, ours):
-        assert mine.shape == ref.shape and mine.dtype == qkv_packed.dtype, name
-        err_math = (theirs.double() - ref).abs().max().item()
-        err_ours = (mine.double() - ref).abs().max().item()
-        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
-    return ours
 
 
 @pytest.mark.parametrize("dtype, window", [(torch.float16, None), (torch.float32, None), (torch.float32, (8, 0))])
 def test_qkvpacked_matches_fp64_and_the_unpacked_call(dtype, window):
     torch.manual_seed(0)
-    B, T, nh, hs = 2, 37, 2, 24
-    qkv_packed = torch.randn(B, T, 3, nh, hs, dtype=dtype)  # a fused projection's output, viewed per head
+    qkv_packed = packed_qkv(2, 37, 2, 24, dtype)  # a fused projection's output, viewed per head
     out, dqkv = assert_qkvpacked_matches_fp64(qkv_packed, window=window)
     # the same kernels as three views through attention(): the same numbers, bit for bit
     q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in qkv_packed.unbind(2))
@@ -137,7 +75,7 @@ def test_qkvpacked_matches_fp64_and_the_unpacked_call(dtype, window):
 
 def test_qkvpacked_gradient_is_one_tensor():
     # the backward hands qkv its gradient directly: no unbind (whose backward concatenates) in between
-    qkv_packed = torch.randn(1, 20, 3, 2, 16).requires_grad_()
+    qkv_packed = packed_qkv(1, 20, 2, 16).requires_grad_()
     out = attention_qkvpacked(qkv_packed, backend="triton")
     assert [type(fn).__name__ for fn, _ in out.grad_fn.next_functions] == ["AccumulateGrad"]
     out_naive = attention_qkvpacked(qkv_packed, backend="naive")  # the others take views: autograd concatenates
@@ -152,7 +90,8 @@ def test_qkvpacked_shape_error():
 
 def test_transposed_views_and_output_layout():
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 37, 2, 32).transpose(1, 2) for _ in range(3))  # (B, T, nh, hs) -> (B, nh, T, hs)
+    # stored (B, T, nh, hs), viewed (B, nh, T, hs)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(Tq=37, Tk=37, D=32))
     assert_matches_fp64(q, k, v, causal=True)
     out = flash_attention(q, k, v)
     # stored (B, T, nh, hs): the model's y.transpose(1, 2).contiguous().view(B, T, C) is free
@@ -188,15 +127,6 @@ def test_return_lse(causal):
     assert torch.equal(out, flash_attention(q, k, v, causal=causal, scale=scale))
 
 
-def assert_bitwise_deterministic(q, k, v):
-    """Two forward+backward runs on the same inputs agree bit for bit (no atomics anywhere)."""
-    do = torch.randn_like(q)
-    first = out_and_grads(flash_attention, q, k, v, do)
-    second = out_and_grads(flash_attention, q, k, v, do)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
-
-
 def test_backward_is_deterministic():
     torch.manual_seed(0)
     assert_bitwise_deterministic(*qkv(Hq=4, Hkv=2, Tq=45, Tk=45, dtype=torch.float16))
@@ -209,22 +139,23 @@ def test_backward_is_deterministic():
 ])
 def test_tensor_descriptor_loads_match_fp64(monkeypatch, causal, Tq, Tk, D, sparse):
     # §9 TMA: the interpreter runs the forward's descriptor loads, which the GPU only takes on Hopper
-    monkeypatch.setattr(triton_flash, "TMA_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
     torch.manual_seed(0)
     q, k, v = qkv(Hq=4, Hkv=2, Tq=Tq, Tk=Tk, D=D, dtype=torch.float16)
-    assert triton_flash._use_tma(q, k, v)
+    assert triton_dispatch.use_tma(q, k, v)
     assert_matches_fp64(q, k, v, causal=causal, **sparse)
 
 
 def test_tensor_descriptors_only_for_aligned_layouts(monkeypatch):
-    monkeypatch.setattr(triton_flash, "TMA_MODE", "1")
-    q = torch.randn(2, 3, 50, 64, dtype=torch.float16)
-    assert triton_flash._use_tma(q, q.transpose(1, 2).contiguous().transpose(1, 2))  # any aligned strides
-    assert not triton_flash._use_tma(torch.randn(2, 3, 50, 36, dtype=torch.float16))  # 72-byte rows
-    assert not triton_flash._use_tma(q.transpose(-1, -2))  # head dim not unit-stride
-    assert not triton_flash._use_tma(torch.randn(2 * 3 * 50 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 50, 64))
-    monkeypatch.setattr(triton_flash, "TMA_MODE", "0")
-    assert not triton_flash._use_tma(q)
+    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
+    q, k, _ = qkv(2, 3, 3, 50, 50, 64, torch.float16)
+    assert triton_dispatch.use_tma(q, k.transpose(1, 2).contiguous().transpose(1, 2))  # any aligned strides
+    assert not triton_dispatch.use_tma(qkv(2, 3, 3, 50, 50, 36, torch.float16)[0])  # 72-byte rows
+    assert not triton_dispatch.use_tma(q.transpose(-1, -2))  # head dim not unit-stride
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q).copy_(q)  # start 2 bytes off alignment
+    assert not triton_dispatch.use_tma(shifted)
+    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "0")
+    assert not triton_dispatch.use_tma(q)
 
 
 def test_registry_backend_is_this_kernel():
@@ -241,13 +172,14 @@ def _bad(D=32, dtype=torch.float32, **changes):
 @pytest.mark.parametrize(
     "inputs, error, message",
     [
-        (_bad(D=8), ValueError, "head_dim 16..256, got 8"),
-        (_bad(D=320), ValueError, "head_dim 16..256, got 320"),
-        (_bad(dtype=torch.float64), TypeError, "float16, bfloat16 and float32, got torch.float64"),
-        (_bad(k=torch.randn(1, 2, 37, 16), v=torch.randn(1, 2, 37, 16)), ValueError, "head_dim 32 but k/v have 16"),
-        (_bad(v=torch.randn(1, 2, 37, 32, dtype=torch.float16)), TypeError, "must share one dtype"),
-        (_bad(q=torch.randn(1, 3, 37, 32)), ValueError, "multiple of the number of key/value heads"),
-        (_bad(k=torch.randn(1, 2, 37, 32, device="meta")), ValueError, "must be on one device"),
+        (_bad(D=8), ValueError, "the triton attention kernels support head_dim 16..256, got 8"),
+        (_bad(D=320), ValueError, "the triton attention kernels support head_dim 16..256, got 320"),
+        (_bad(dtype=torch.float64), TypeError,
+         "the triton attention kernels support float16, bfloat16 and float32, got torch.float64"),
+        (_bad(k=qkv(D=16)[1], v=qkv(D=16)[2]), ValueError, "head_dim 32 but k/v have 16"),
+        (_bad(v=qkv(dtype=torch.float16)[2]), TypeError, "must share one dtype"),
+        (_bad(q=qkv(Hq=3)[0]), ValueError, "multiple of the number of key/value heads"),
+        (_bad(k=qkv()[1].to("meta")), ValueError, "must be on one device"),
         (_bad(scale=-1.0), ValueError, "scale must be a positive number"),
     ],
     ids=["head_dim_small", "head_dim_large", "float64", "head_dims_differ", "dtypes_differ", "heads", "devices", "scale"],
@@ -258,8 +190,8 @@ def test_bad_input_errors(inputs, error, message):
 
 
 def test_cpu_tensors_without_interpreter_error(monkeypatch):
-    monkeypatch.setattr(triton_flash, "INTERPRET", False)
-    with pytest.raises(ValueError, match="move tensors to a CUDA device or set TRITON_INTERPRET=1"):
+    monkeypatch.setattr(triton_support, "INTERPRET", False)  # what check_triton_support reads
+    with pytest.raises(ValueError, match="the triton attention kernels run on .*cpu.*TRITON_INTERPRET=1"):
         flash_attention(*qkv())
 
 
@@ -272,38 +204,9 @@ def test_ops_pass_opcheck():
     out, lse = flash_attn_fwd(q, k, v, True, 0.25)
     do = torch.randn_like(out)
     torch.library.opcheck(flash_attn_bwd, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.25))
-    qkv_packed = torch.randn(2, 20, 3, 2, 16)
+    qkv_packed = packed_qkv(2, 20, 2, 16)
     out, lse = flash_attn_fwd(*(t.transpose(1, 2) for t in qkv_packed.unbind(2)), True, 0.25)
     torch.library.opcheck(flash_attn_bwd_qkvpacked, (torch.randn_like(out), qkv_packed, out, lse, True, 0.25))
-
-
-def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False):
-    """torch.compile(fullgraph=True) of a model's attention path (fused qkv projection, head views or
-    with packed the (B, T, 3, nh, hs) view model.py passes, this kernel, heads merged back) gives eager's
-    output and gradients. fullgraph=True fails on any graph break, e.g. an operator without a fake
-    implementation."""
-    C = nh * hs
-
-    def block(x, w):
-        if packed:
-            y = attention_qkvpacked((x @ w).view(B, T, 3, nh, hs), backend="triton")
-        else:
-            q, k, v = (x @ w).split(C, dim=2)
-            y = flash_attention(*(t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v)))
-        return y.transpose(1, 2).contiguous().view(B, T, C)
-
-    x = torch.randn(B, T, C, dtype=dtype, device=device)
-    w = torch.randn(C, 3 * C, dtype=dtype, device=device) * C**-0.5
-    do = torch.randn(B, T, C, dtype=dtype, device=device)
-
-    def run(fn):
-        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = fn(x_, w_)
-        out.backward(do)
-        return out, x_.grad, w_.grad
-
-    for eager, compiled in zip(run(block), run(torch.compile(block, fullgraph=True))):
-        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
@@ -313,94 +216,11 @@ def test_torch_compile_fullgraph(packed):
     assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", [16, 40, 64, 80, 128, 160, 256])
-def test_hopper_tile_pruning(kernel, dtype, head_dim, monkeypatch):
-    # pure Python: every head dim and dtype keeps at least one Hopper config that fits on chip
-    monkeypatch.setattr(triton_flash, "INTERPRET", False)  # the GPU's candidate list, not the interpreter's
-    block_d = triton.next_power_of_2(head_dim)
-    kept = triton_flash.candidate_tiles(kernel, block_d, dtype.itemsize)
-    assert kept
-    for tile in kept:
-        assert tile in triton_flash.HOPPER_TILES[kernel][triton_flash.head_dim_class(block_d)]
-        assert triton_flash.smem_bytes(kernel, tile, block_d, dtype.itemsize) <= triton_flash.SMEM_BUDGET
-
-
-def test_tuned_choices_name_the_kernels_a_call_of_those_sizes_ran(monkeypatch):
-    # benchmarks/attention.py records them per cell; a key of other sizes, mask or dtype is not reported
-    monkeypatch.setattr(triton_flash, "_best_tile", {})  # what earlier tests tuned is not this test's
-    monkeypatch.setattr(triton_flash, "_best_backward", {})
-    q, k, v = (torch.randn(1, 2, 40, 24, dtype=torch.float16, requires_grad=True) for _ in range(3))
-    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == {}
-    attention(q, k, v, causal=True, backend="triton").sum().backward()
-    choices = triton_flash.tuned_choices(24, True, torch.float16, 40, 40)
-    assert set(choices) == {"fwd", "dq", "dkdv"}  # no "bwd": the Hopper backward is not a candidate here
-    assert choices["fwd"][0] == triton_flash.INTERPRETER_TILES["fwd"]
-    assert triton_flash.tuned_choices(24, True, torch.float16, 33, 33) == choices  # the same power-of-two bucket
-    assert triton_flash.tuned_choices(24, False, torch.float16, 40, 40) == {}
-    assert triton_flash.tuned_choices(24, True, torch.float32, 40, 40) == {}
-    attention(q, k, v, causal=True, window=(16, 0), backend="triton").sum().backward()  # a window: another key
-    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == choices
-    # the Hopper backward's choice (only on an H100/H200), whichever its candidate tiles were
-    triton_flash._best_backward[triton_flash._BackwardKey(24, True, torch.float16, 64, 64, ((2, False),))] = (2, False)
-    assert triton_flash.tuned_choices(24, True, torch.float16, 40, 40) == {**choices, "bwd": (2, False)}
-    assert "bwd" not in triton_flash.tuned_choices(24, False, torch.float16, 40, 40)
-
-
-def test_untuned_launch_takes_the_first_tile_that_fits():
-    # NANOFLASH_AUTOTUNE=0: no timing, but a tile the compiler rejects for shared memory is passed over
-    tried = []
-
-    def run(tile):
-        tried.append(tile)
-        if tile == "big":
-            raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
-        return f"{tile} launched"
-
-    assert triton_flash._first_that_fits(["big", "small", "smaller"], run) == ("small", "small launched")
-    assert tried == ["big", "small"]
-
-
-def test_tuner_times_each_candidates_repeat_after_a_warmup_of_its_own_in_rotating_rounds(monkeypatch):
-    # the forward's tiles and the backward's choice between the `tl` and Hopper kernels share this timing: each
-    # candidate's first run (a compile, the whole launch path) returns its repeat, the launch a plan makes, which is
-    # what do_bench times, after all have compiled, each after running alone for WARMUP_MS (the GPU's clock settles
-    # to the kernel's draw), the very first for HEAT_MS more (from an idle GPU's clock); in ROUNDS rounds, the order
-    # rotating, a candidate's time the median of its rounds. A candidate that does not fit in shared memory is
-    # infinitely slow and never timed.
-    def too_big():
-        raise triton_flash.OutOfResources(300_000, 232_448, "shared memory")
-
-    events = []
-
-    def candidate(name):
-        def first_run():
-            events.append(("compile", name))
-            return lambda: name
-        return first_run
-
-    measured = {"a": [2.0, 9.0, 3.0], "b": [5.0, 1.0, 6.0]}  # one slow round each: the median ignores it
-
-    def do_bench(repeat, warmup, rep, return_mode):
-        events.append((repeat(), warmup, rep))
-        return measured[repeat()].pop(0)
-
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(triton_flash, "ROUNDS", 3)
-    times = triton_flash._timed({"a": candidate("a"), "big": too_big, "b": candidate("b")})
-    assert times == {"big": float("inf"), "a": 3.0, "b": 5.0}
-    warmup, rep = triton_flash.WARMUP_MS, triton_flash.REP_MS
-    assert events == [("compile", "a"), ("compile", "b"), ("a", warmup + triton_flash.HEAT_MS, rep), ("b", warmup, rep),
-                      ("b", warmup, rep), ("a", warmup, rep), ("a", warmup, rep), ("b", warmup, rep)]
-    assert triton_flash._timed({"big": too_big}) == {"big": float("inf")}  # nothing fits: nothing to time
-
-
-@pytest.mark.parametrize("module, decorator", [(triton_flash, "triton"), (triton_hopper, "gluon"),
-                                               (triton_hopper_backward, "gluon")])
-def test_doc_and_kernel_point_at_each_other(module, decorator):
-    # docs/flash_attention.md cites kernel code as `triton_flash.py:name` (`triton_hopper.py:name`) and the
-    # kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel must be cited
+@pytest.mark.parametrize("module", [triton_flash, triton_hopper, triton_hopper_backward], ids=lambda m: m.__name__)
+def test_doc_and_kernel_point_at_each_other(module):
+    # docs/flash_attention.md cites kernel code as `triton_flash.py:name` (`triton_hopper.py:name`, ...) and the
+    # kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel (a @triton.jit or
+    # @gluon.jit function) must be cited
     doc = (ROOT / "docs" / "flash_attention.md").read_text()
     file = Path(module.__file__).name
     code = (ROOT / "attention" / file).read_text()
@@ -408,9 +228,23 @@ def test_doc_and_kernel_point_at_each_other(module, decorator):
     assert cited_names
     for name in cited_names:
         assert hasattr(module, name), f"docs/flash_attention.md cites missing {file}:{name}"
-    jit_functions = set(re.findall(rf"@{decorator}\.jit\n\s*def (\w+)", code))
+    jit_functions = set(re.findall(r"@(?:triton|gluon)\.jit\n\s*def (\w+)", code))
     assert jit_functions
     assert jit_functions - cited_names == set(), "kernel functions the doc never mentions"
     sections = set(re.findall(r"^## §(\d+)", doc, flags=re.M))
-    for number in set(re.findall(r"§(\d+)", code)):
-        assert number in sections, f"{file} cites §{number}, which docs/flash_attention.md lacks"
+    cited_sections = set(re.findall(r"§(\d+)", code))
+    assert cited_sections
+    assert cited_sections - sections == set(), f"{file} cites sections docs/flash_attention.md lacks"
+
+
+def test_every_code_citation_in_the_doc_resolves():
+    # besides the kernels: the dispatch, tuner, MoBA and other modules the doc cites as `file.py:name`
+    doc = (ROOT / "docs" / "flash_attention.md").read_text()
+    cited = set(re.findall(r"`(\w+)\.py:(\w+)`", doc))
+    assert {"triton_dispatch", "triton_tuner"} <= {file for file, _ in cited}
+    missing = []
+    for file, name in sorted(cited):
+        assert (ROOT / "attention" / f"{file}.py").is_file(), f"docs/flash_attention.md cites attention/{file}.py"
+        if not hasattr(importlib.import_module(f"attention.{file}"), name):
+            missing.append(f"{file}.py:{name}")
+    assert missing == [], "docs/flash_attention.md cites names the code lacks"

@@ -5,11 +5,10 @@ Benchmarking every tile config for every new shape would take minutes, so these 
 kernel's default config (NANOFLASH_AUTOTUNE=0); test_autotuned_choice_is_correct runs the tuner."""
 import pytest
 import torch
+from helpers import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
+                     assert_qkvpacked_matches_fp64, packed_qkv, projection_views, qkv)
 
-from test_triton import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
-                         assert_qkvpacked_matches_fp64, qkv)
-
-from attention import triton_flash
+from attention import triton_dispatch, triton_tuner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("default_tiles")]  # conftest.py
 
@@ -39,16 +38,14 @@ def test_matches_fp64(dtype, D, causal, B, Hq, Hkv, Tq, Tk):
 
 def test_fused_qkv_views():
     torch.manual_seed(0)
-    B, T, nh, hs = 2, 1024, 12, 64
-    qkv_proj = torch.randn(B, T, 3 * nh * hs, dtype=torch.bfloat16, device="cuda")
-    q, k, v = (t.view(B, T, nh, hs).transpose(1, 2) for t in qkv_proj.split(nh * hs, dim=2))
+    q, k, v = projection_views(2, 1024, 12, 64, torch.bfloat16, "cuda")
     assert_matches_fp64(q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("T, window", [(1024, None), (999, (256, 0))])
 def test_qkvpacked_matches_fp64(T, window):
     torch.manual_seed(0)
-    assert_qkvpacked_matches_fp64(torch.randn(2, T, 3, 12, 64, dtype=torch.bfloat16, device="cuda"), window=window)
+    assert_qkvpacked_matches_fp64(packed_qkv(2, T, 12, 64, torch.bfloat16, "cuda"), window=window)
 
 
 def test_kept_launches_follow_alignment():
@@ -64,7 +61,7 @@ def test_kept_launches_follow_alignment():
 
 @pytest.mark.parametrize("tma_mode", ["1", "0"])  # the forward's descriptor loads (Hopper), pointer loads
 def test_load_paths_match_fp64(monkeypatch, tma_mode):
-    monkeypatch.setattr(triton_flash, "TMA_MODE", tma_mode)
+    monkeypatch.setattr(triton_dispatch, "TMA_MODE", tma_mode)
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 8, 4, 1000, 1000, 128, torch.bfloat16, device="cuda"), causal=True)
 
@@ -80,12 +77,13 @@ def test_torch_compile_fullgraph(packed):
     assert_compiled_matches_eager(2, 512, 4, 64, torch.bfloat16, "cuda", tol=2e-2, packed=packed)
 
 
-@pytest.mark.parametrize("kernel, head_dim, tile", [(kernel, head_dim, tile) for kernel, by_dim in triton_flash.HOPPER_TILES.items()
+@pytest.mark.parametrize("kernel, head_dim, tile", [(kernel, head_dim, tile)
+                                                     for kernel, by_dim in triton_tuner.HOPPER_TILES.items()
                                                      for head_dim in (64, 128) for tile in by_dim[head_dim]])
 def test_every_tile_candidate_matches_fp64(monkeypatch, kernel, head_dim, tile):
     # the tuner may pick any candidate for some shape: each one alone, on a causal, ragged call
-    monkeypatch.setitem(triton_flash.HOPPER_TILES, kernel, {**triton_flash.HOPPER_TILES[kernel], head_dim: [tile]})
-    monkeypatch.setattr(triton_flash, "_best_tile", {})
+    monkeypatch.setitem(triton_tuner.HOPPER_TILES, kernel, {**triton_tuner.HOPPER_TILES[kernel], head_dim: [tile]})
+    monkeypatch.setattr(triton_tuner, "best_tile", {})
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, device="cuda"), causal=True)
 

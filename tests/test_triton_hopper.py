@@ -9,17 +9,17 @@ import sys
 import pytest
 import torch
 import triton
+from helpers import ROOT, assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv
 
-from test_triton import ROOT, assert_matches_fp64, assert_qkvpacked_matches_fp64, qkv
-
-from attention import triton_flash, triton_hopper
+from attention import triton_dispatch, triton_hopper
 from benchmarks.hopper_build import forward_build
 
 needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
 
 
 def aligned(B=2, H=4, T=256, D=64, dtype=torch.bfloat16):
-    return torch.randn(B, H, T, D, dtype=dtype)
+    """A fresh random (B, H, T, D) tensor, contiguous: 16-byte aligned start and strides."""
+    return qkv(B, H, H, T, T, D, dtype)[0]
 
 
 @needs_gluon
@@ -27,8 +27,8 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     # on a CPU box the GPU check fails first; pretend to be an H100/H200 to check the other rules
     q = aligned()
     assert not triton_hopper.supports(q, q, q, dense=True)
-    monkeypatch.setattr(triton_hopper, "INTERPRET", False)
-    monkeypatch.setattr(triton_hopper, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(triton_hopper, "INTERPRET", False)  # the module's own copy, which supports() reads
+    monkeypatch.setattr(triton_hopper, "is_hopper", lambda device: True)
     assert triton_hopper.supports(q, q, q, dense=True)
     assert triton_hopper.supports(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, dense=True)  # any strides
     assert triton_hopper.supports(aligned(D=128, dtype=torch.float16), aligned(H=2, D=128, dtype=torch.float16),
@@ -36,7 +36,7 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
     assert not triton_hopper.supports(q, q, q, dense=False)  # block masks: the `tl` kernel walks their lists
     assert not triton_hopper.supports(*(aligned(dtype=torch.float32),) * 3, dense=True)  # wgmma here: 16-bit only
     assert not triton_hopper.supports(*(aligned(D=96),) * 3, dense=True)  # head dims without tuned tiles
-    odd = torch.randn(2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 64)  # start not 16-byte aligned
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q).copy_(q)  # start not 16-byte aligned
     assert not triton_hopper.supports(odd, q, q, dense=True)
     assert not triton_hopper.supports(q, q.transpose(-1, -2).contiguous().transpose(-1, -2), q, dense=True)
     monkeypatch.setattr(triton_hopper, "INTERPRET", True)
@@ -85,7 +85,7 @@ CASES = [  # dtype, D, causal, B, Hq, Hkv, Tq, Tk
 @pytest.mark.parametrize("dtype, D, causal, B, Hq, Hkv, Tq, Tk", CASES)
 def test_matches_fp64_forward_and_backward(monkeypatch, dtype, D, causal, B, Hq, Hkv, Tq, Tk):
     # NANOFLASH_HOPPER=1: the forward is this kernel, the backward reads its lse
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, dtype, device="cuda")
@@ -96,10 +96,10 @@ def test_matches_fp64_forward_and_backward(monkeypatch, dtype, D, causal, B, Hq,
 @pytest.mark.gpu
 def test_packed_qkv_layout(monkeypatch):
     # GPT-2's fused projection: q, k, v are strided views of one (B, T, 3, H, D) tensor
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     torch.manual_seed(0)
-    assert_qkvpacked_matches_fp64(torch.randn(2, 1000, 3, 12, 64, dtype=torch.bfloat16, device="cuda"))
+    assert_qkvpacked_matches_fp64(packed_qkv(2, 1000, 12, 64, torch.bfloat16, "cuda"))
 
 
 def exact_lse(q, k, causal):
@@ -128,7 +128,7 @@ def assert_tile_matches_fp64(monkeypatch, tile, causal, B, Hq, Hkv, Tq, Tk, D):
     against float64 (within twice the `tl` kernel's)."""
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, torch.bfloat16, device="cuda")
-    o, lse = triton_flash.empty_bthd(B, Hq, Tq, D, q), torch.empty(B, Hq, Tq, device="cuda")
+    o, lse = triton_dispatch.empty_bthd(B, Hq, Tq, D, q), torch.empty(B, Hq, Tq, device="cuda")
     triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
     # §6 the causal mask aligned to the last key (row i sees keys <= i + Tk - Tq)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device="cuda").tril(Tk - Tq) if causal else None
@@ -136,9 +136,9 @@ def assert_tile_matches_fp64(monkeypatch, tile, causal, B, Hq, Hkv, Tq, Tk, D):
                                                              enable_gqa=True)
     math = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (o.double() - exact).abs().max() <= 2 * (math.double() - exact).abs().max() + 1e-5
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
-    lse_tl = triton_flash.forward(q, k, v, causal, D ** -0.5)[1]
+    lse_tl = triton_dispatch.forward(q, k, v, causal, D ** -0.5)[1]
     lse_exact = exact_lse(q, k, causal)
     assert (lse.double() - lse_exact).abs().max() <= 2 * (lse_tl.double() - lse_exact).abs().max() + 1e-5
 
@@ -166,11 +166,11 @@ def test_persistent_programs_walk_several_pairs_and_a_lone_item(monkeypatch, D, 
     q, k, v = qkv(1, heads, heads, 300, 300, D, torch.bfloat16, device="cuda")
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     math = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "0")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
-    lse_tl = triton_flash.forward(q, k, v, True, D ** -0.5)[1]
+    lse_tl = triton_dispatch.forward(q, k, v, True, D ** -0.5)[1]
     lse_exact = exact_lse(q, k, True)
-    o, lse = triton_flash.empty_bthd(1, heads, 300, D, q), torch.empty(1, heads, 300, device="cuda")
+    o, lse = triton_dispatch.empty_bthd(1, heads, 300, D, q), torch.empty(1, heads, 300, device="cuda")
     for _ in range(50):
         o.fill_(float("nan"))
         lse.fill_(float("nan"))

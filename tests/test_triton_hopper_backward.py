@@ -9,24 +9,22 @@ import sys
 import pytest
 import torch
 import triton
+from helpers import ROOT, assert_errors_within, assert_matches_fp64, out_and_grads, qkv, whole_paths
 
-from test_launch import whole_paths
-from test_triton import ROOT, assert_matches_fp64, out_and_grads, qkv
-
-from attention import attention, triton_flash, triton_hopper, triton_hopper_backward
+from attention import attention, triton_dispatch, triton_hopper, triton_hopper_backward
 
 needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
 
 
 @needs_gluon
 def test_supports_only_what_the_kernel_runs(monkeypatch):
-    monkeypatch.setattr(triton_hopper, "INTERPRET", False)
-    monkeypatch.setattr(triton_hopper, "_is_hopper", lambda device: True)  # pretend to be an H100/H200
-    q = torch.randn(2, 4, 256, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(triton_hopper, "INTERPRET", False)  # the copy triton_hopper.supports reads
+    monkeypatch.setattr(triton_hopper, "is_hopper", lambda device: True)  # pretend to be an H100/H200
+    q = qkv(2, 4, 4, 256, 256, 64, torch.bfloat16)[0]
     grads = (q, q, q)
     assert triton_hopper_backward.supports(q, q, q, q, q, grads, dense=True)
     assert not triton_hopper_backward.supports(q, q, q, q, q, grads, dense=False)  # block masks: the `tl` kernels
-    narrow = torch.randn(2, 4, 256, 32, dtype=torch.bfloat16)
+    narrow = qkv(2, 4, 4, 256, 256, 32, torch.bfloat16)[0]
     assert not triton_hopper_backward.supports(narrow, narrow, narrow, narrow, narrow, (narrow,) * 3, dense=True)
     column_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not triton_hopper_backward.supports(q, q, q, column_strided, q, grads, dense=True)  # o by pointers
@@ -35,12 +33,12 @@ def test_supports_only_what_the_kernel_runs(monkeypatch):
 
 
 def test_staged_tiles_only_for_gradients_the_copy_engine_writes():
-    dk = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    dk = qkv(2, 4, 4, 256, 256, 64, torch.bfloat16)[1]
     everything = triton_hopper_backward.TILES[64]
     assert any(staged for _, staged in everything) and any(not staged for _, staged in everything)
     assert triton_hopper_backward.tiles(64, dk, dk) == everything
     # a gradient starting 2 bytes into its buffer: pointers write it, TMA (16-byte aligned starts) cannot
-    shifted = torch.empty(2 * 4 * 256 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 4, 256, 64)
+    shifted = torch.empty(dk.numel() + 1, dtype=dk.dtype)[1:].view_as(dk)
     assert triton_hopper_backward.tiles(64, dk, shifted) == [tile for tile in everything if not tile[1]]
 
 
@@ -81,7 +79,7 @@ def test_pre_and_post_pass():
     lse_row, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
     grid = (Tq_pad // rows, B * H)
-    triton_hopper_backward._attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
+    triton_hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
                                                    *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
@@ -90,25 +88,31 @@ def test_pre_and_post_pass():
 
     dq_acc = torch.randn(B * H, Tq_pad, D)
     dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
-    triton_hopper_backward._attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
+    triton_hopper_backward.attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
                                                      ROWS=rows)
     torch.testing.assert_close(dq, (dq_acc[:, :Tq] * scale).half().reshape(B, H, Tq, D))
 
 
-def test_deterministic_algorithms_keep_the_tl_kernels(monkeypatch):
-    # the Hopper backward's dQ adds land in any order; where determinism is asked for it must not run
-    def hopper_backward(*args, **kwargs):
+def test_hopper_mode_1_takes_the_first_tile_and_determinism_keeps_the_tl_kernels(monkeypatch):
+    # NANOFLASH_HOPPER=1 runs the Hopper backward wherever it can, with its first tile (no timing); its dQ adds land
+    # in any order, so where determinism is asked for it must not run
+    ran = []
+
+    def hopper_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile):
+        ran.append(tile)
         raise AssertionError("the Hopper backward ran")
 
     monkeypatch.setattr(triton_hopper_backward, "supports", lambda *args, **kwargs: True)
     monkeypatch.setattr(triton_hopper_backward, "backward", hopper_backward)
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     q, k, v = qkv(Tq=37, Tk=37, D=64, dtype=torch.float16)
     do = torch.randn_like(q)
     with pytest.raises(AssertionError, match="Hopper backward ran"):  # the switch works...
         out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
+    assert ran == [triton_hopper_backward.TILES[64][0]]  # empty_bthd's gradients: every tile can write them
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # ...and steps aside
-    out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
+    out, *grads = out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
+    assert len(ran) == 1 and all(torch.isfinite(g).all() for g in grads)
 
 
 # --- on the GPU -------------------------------------------------------------------------------------------------
@@ -127,17 +131,14 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, head_dim, dtype, device="cuda")
     do = torch.randn_like(q)
     scale = head_dim ** -0.5
-    o, lse = triton_flash.forward(q, k, v, causal, scale)
+    o, lse = triton_dispatch.forward(q, k, v, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
     assert triton_hopper_backward.supports(q, k, v, o, do, grads, dense=True)
     triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, tile)
     naive = lambda *t: attention(*t, causal, scale, backend="naive")  # noqa: E731
     exact = out_and_grads(naive, q.double(), k.double(), v.double(), do.double())[1:]
     math = out_and_grads(naive, q, k, v, do)[1:]
-    for name, ref, theirs, mine in zip(("dq", "dk", "dv"), exact, math, grads):
-        err_math = (theirs.double() - ref).abs().max().item()
-        err_ours = (mine.double() - ref).abs().max().item()  # NaN fails the comparison
-        assert err_ours <= 2 * err_math + 1e-5, f"{name}: error {err_ours:.3g} vs math attention's {err_math:.3g}"
+    assert_errors_within(("dq", "dk", "dv"), exact, math, grads)  # a NaN left in a gradient fails
 
 
 @pytest.mark.gpu
@@ -161,7 +162,7 @@ def test_head_groups_cover_every_head(monkeypatch, tile):
 @pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
 def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
     # NANOFLASH_HOPPER=1: both Hopper kernels wherever they run, through the autograd op
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, head_dim, torch.bfloat16, device="cuda"), causal=True)
 
@@ -169,7 +170,7 @@ def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
 @pytest.mark.gpu
 def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
     # both Hopper kernels' plans (descriptor templates re-aimed at each call's tensors), on fresh values each call
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
     for _ in range(3):
@@ -180,13 +181,13 @@ def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
 @pytest.mark.gpu
 def test_launch_plans_keep_no_tensor_alive(monkeypatch):
     # a plan's descriptors are templates: the first call's q, k, v, dO and the backward's buffers are freed with it
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     q, k, v = (t.requires_grad_() for t in qkv(2, 4, 4, 1024, 1024, 64, torch.bfloat16, device="cuda"))
     grads = torch.autograd.grad(attention(q, k, v, True, backend="triton"), (q, k, v), torch.randn_like(q))
-    assert len(triton_flash._plans) == 2
+    assert len(triton_dispatch._plans) == 2
     del q, k, v, grads
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
@@ -194,7 +195,7 @@ def test_launch_plans_keep_no_tensor_alive(monkeypatch):
 
 @pytest.mark.gpu
 def test_deterministic_algorithms_give_bit_identical_gradients(monkeypatch):
-    monkeypatch.setattr(triton_flash, "HOPPER_MODE", "1")
+    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     q, k, v = qkv(2, 8, 2, 4096, 4096, 64, torch.bfloat16, device="cuda")
     do = torch.randn_like(q)

@@ -11,10 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from types import ModuleType
 
-from model import GPTConfig, attention_choices
-
-# the GPTConfig fields that choose the attention; unlike the shape, they apply to init_from models too
-ATTENTION_FIELDS = ("attn", "window", "moba_block", "moba_topk")
+from attention import get_backend
+from model import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -37,8 +35,9 @@ class TrainConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 for faster matmuls
     dropout: float = 0.0
     bias: bool = True
-    attn: str = "sdpa"  # attention backend: one of attention.available_backends(), or moba (MoBA's Triton kernel)
+    attn: str = "sdpa"  # attention backend: one of attention.available_backends()
     window: int = 0  # > 0: a causal sliding window, each token sees the `window` before it; 0 = full attention
+    # options of the backends that take them (attention.backend_options), passed to the one chosen
     moba_block: int = 512  # attn=moba: keys per block (a multiple of 128 on a GPU); >= block_size is dense causal
     moba_topk: int = 3  # attn=moba: the earlier blocks each query reads besides its own
     # batch: total_batch_size = batch_size * block_size * grad_accum_steps * world_size
@@ -71,6 +70,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (cuda: bfloat16 if supported, else float16; cpu: float32), float32, bfloat16, float16
     compile: bool = False  # torch.compile the model
+    tf32: bool = True  # CUDA float32 matmuls on TF32 tensor cores (faster, ~1e-3 relative error); false: exact fp32
     seed: int = 1337
 
     def __post_init__(self):
@@ -99,8 +99,6 @@ class TrainConfig:
             raise ConfigError(f"warmup_steps={self.warmup_steps} is past the end of the decay at step "
                               f"{self.decay_steps} (lr_decay_steps, or max_steps when it is 0); shorten the warmup")
         self.grad_accum_steps(world_size=1)  # the process count is known at launch, and checked again then
-        if self.attn not in attention_choices():
-            raise ConfigError(f"unknown attn={self.attn!r}; choose one of: {', '.join(attention_choices())}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
@@ -111,8 +109,9 @@ class TrainConfig:
         if self.init_from == "scratch":
             self.gpt_config()  # GPTConfig checks the model shape (n_embd divisible by n_head, ...) and attention
         else:
+            attention = self.attention_settings()
             try:  # init_from brings the shape; the attention settings still apply
-                GPTConfig(**self.attention_settings())
+                GPTConfig(**attention)
             except ValueError as err:
                 raise ConfigError(f"model: {err}") from None
 
@@ -121,13 +120,21 @@ class TrainConfig:
         return self.lr_decay_steps or self.max_steps
 
     def attention_settings(self) -> dict:
-        return {name: getattr(self, name) for name in ATTENTION_FIELDS}
+        """The GPTConfig fields that choose the attention; unlike the shape, they apply to init_from models too.
+        The backend's options come from the flags of the same names."""
+        try:
+            options = get_backend(self.attn).options
+        except ValueError as err:
+            raise ConfigError(f"attn: {err}") from None
+        return {"attn": self.attn, "window": self.window,
+                "attn_options": {name: getattr(self, name) for name in options if hasattr(self, name)}}
 
     def gpt_config(self) -> GPTConfig:
         sizes = {name: getattr(self, name) for name in ("n_layer", "n_head", "n_embd") if getattr(self, name)}
+        attention = self.attention_settings()
         try:
             return GPTConfig.preset(self.model, **sizes, block_size=self.block_size, vocab_size=self.vocab_size,
-                                    dropout=self.dropout, bias=self.bias, **self.attention_settings())
+                                    dropout=self.dropout, bias=self.bias, **attention)
         except ValueError as err:
             raise ConfigError(f"model: {err}") from None
 

@@ -1,0 +1,238 @@
+"""forward() and backward() of the `tl` and Hopper kernels: q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), any strides.
+
+    o, lse = forward(q, k, v, causal, scale)            # mask: MaskArgs of a block-sparse call (§10), DENSE by default
+    dq, dk, dv = backward(do, q, k, v, o, lse, causal, scale)
+
+Which kernels run: on Hopper the tuner (triton_tuner.py, §9) times the `tl` forward (triton_flash.py) against the
+warp-specialized one (triton_hopper.py, §12), and the two `tl` backward kernels against the warp-specialized backward
+(triton_hopper_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels run.
+NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
+NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
+
+Launch plans. A dense call launches the same way as another of the same shapes, strides, dtypes, 16-byte alignment
+and device, with the settings in plan_key: its plan key. The first call of a key takes the whole path (the kernels'
+eligibility checks, the tuner, launch.py's keys over every argument) and leaves a plan, again(the call's tensors,
+scale): its launches with everything else worked out. Later calls of the key run the plan: at small shapes the whole
+path costs more host time than the kernels take on the GPU (docs/perf_notes.md, "Host time").
+"""
+import functools
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+
+from . import triton_hopper, triton_hopper_backward
+from .launch import remember
+from .triton_flash import attn_bwd_dkdv, attn_bwd_dq, attn_fwd
+from .triton_support import INTERPRET, has_tma
+from .triton_tuner import backward_choice, tuned_launch, use_scratch_allocator
+
+TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
+HOPPER_MODE = os.environ.get("NANOFLASH_HOPPER", "auto")
+
+
+def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tensor:
+    """Uninitialised (B, H, T, D) stored as (B, T, H, D): the model's y.transpose(1, 2) of it is
+    contiguous, so merging the heads back into (B, T, C) costs no copy (and likewise for grads). One torch call, not
+    an empty and a transpose: an eager backward allocates three of these, and each torch call is host time."""
+    return torch.empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), dtype=like.dtype, device=like.device)
+
+
+def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:
+    D = q.shape[-1]
+    return dict(
+        HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D),
+        CAUSAL=causal,
+        # §8: fp32 inputs get exact fp32 products; TF32 would add ~1e-3 relative error. fp16 and
+        # bf16 dots are exact products with fp32 sums either way ("tf32" is Triton's default).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPARSE=mask.kv_blocks is not None,
+        WINDOW=mask.window is not None,
+        DOCS=mask.document_ids is not None,
+        BITS=mask.tile_bits is not None,
+        MASK_BLOCK=mask.block_size,
+    )
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """§9: with NANOFLASH_TMA=1, the forward may load tiles through tensor descriptors (TMA) where the
+    GPU has the copy engine (Hopper and newer; the interpreter runs them too, for the CPU tests) and
+    every tensor fits its rules: unit stride along the head dim, every other stride and the start
+    16-byte aligned. Other layouts take the pointer loads, which read any strides."""
+    if TMA_MODE != "1" or not (INTERPRET or has_tma(tensors[0].device)):
+        return False
+    return triton_hopper.tma_can_read(*tensors)
+
+
+class MaskArgs(NamedTuple):
+    """A block-sparse call's mask as plain tensors and numbers (§10); all None for dense attention.
+    attention/block_mask.py builds them; the PyTorch op (triton_op.py) passes them through."""
+    kv_blocks: torch.Tensor | None = None  # (Bm, Hm, n_q_blocks, 2 + 2 n_kv_blocks) int32, forward and dQ
+    q_blocks: torch.Tensor | None = None  # (Bm, Hm, n_kv_blocks, 2 + 2 n_q_blocks) int32, dK/dV
+    window: tuple[int, int] | None = None  # (left, right), -1 = unbounded
+    document_ids: torch.Tensor | None = None  # (B, Tk) integer
+    tile_bits: torch.Tensor | None = None  # (n_tiles, block, block) uint8
+    block_size: int = 16  # unused when dense
+
+
+DENSE = MaskArgs()
+
+
+def _tiles_divide(mask: MaskArgs) -> int | None:
+    return mask.block_size if mask.kv_blocks is not None else None  # a sparse call's tiles walk its blocks
+
+
+def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
+    """The kernels' mask arguments (BLOCKS ... TILE_BITS) for one block list (kv or q direction)."""
+    if lists is None:
+        return (None, 0, 0, 0, 0, 0, None, 0, None)
+    Bm, Hm, rows, row_len = lists.shape
+    # size-1 (broadcast) batch/head dims of the mask get stride 0: every batch row / head reads the same lists
+    stride_b = Hm * rows * row_len if Bm > 1 else 0
+    stride_h = rows * row_len if Hm > 1 else 0
+    left, right = mask.window or (-1, -1)
+    unbounded = 2 * Tk  # -1: farther than any key can be
+    docs = mask.document_ids
+    return (lists, stride_b, stride_h, (row_len - 2) // 2, unbounded if left < 0 else left,
+            unbounded if right < 0 else right, docs, docs.stride(0) if docs is not None else 0, mask.tile_bits)
+
+
+# plan key -> again(the call's tensors, scale): the launch plans of the module docstring
+_plans: dict[tuple, Callable] = {}
+
+
+def forget_plans() -> None:
+    """Drop every launch plan, so the next call of each key takes the whole path again (after a change to a setting
+    the plans bind, such as a tile list)."""
+    _plans.clear()
+
+
+def _plan_key(kind: str, causal: bool, mask: MaskArgs, *tensors: torch.Tensor) -> tuple | None:
+    """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call."""
+    if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits)):
+        return None
+    return (kind, causal, mask.window, mask.block_size, HOPPER_MODE, TMA_MODE,
+            torch.are_deterministic_algorithms_enabled(), tensors[0].device,
+            *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
+    """Run the plan kept under key on call, or whole_path(), which launches the call and returns its plan."""
+    again = None if key is None else _plans.get(key)
+    if again is not None:
+        again(*call)
+        return
+    again = whole_path()
+    if key is not None:
+        remember(_plans, key, again)
+
+
+def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
+    that see no key)."""
+    B, Hq, Tq, D = q.shape
+    o = empty_bthd(B, Hq, Tq, D, q)
+    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    key = _plan_key("fwd", causal, mask, q, k, v)
+    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask), q, k, v, o, lse, scale)
+    return o, lse
+
+
+def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs) -> tuple:
+    """attn_fwd's arguments, up to the constexprs."""
+    Hq, Tq, Hkv, Tk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    return (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
+            *_mask_args(mask, mask.kv_blocks, Tk))
+
+
+def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale)."""
+    B, Hq, Tq, D = q.shape
+    Tk = k.shape[2]
+    hopper = None
+    if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
+        tiles = triton_hopper.TILES[D]
+        if HOPPER_MODE == "1":
+            return triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0]).again
+        hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile),
+                  (q, k, v, o, lse, scale))
+    # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
+    # §12 on Hopper the warp-specialized kernel's tiles beside them
+    tma = use_tma(q, k, v, o)
+    choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+                                    _forward_args(q, k, v, o, lse, scale, mask), _constants(q, causal, mask), Tq, Tk,
+                                    q.dtype, _tiles_divide(mask), loads=("tma", "pointers") if tma else ("pointers",),
+                                    hopper=hopper)
+    if choice[1] == "hopper":
+        return launched.again
+
+    def again(q, k, v, o, lse, scale):
+        if tma:
+            use_scratch_allocator()
+        launched.again(*_forward_args(q, k, v, o, lse, scale, mask))
+    return again
+
+
+def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
+             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
+    one packed gradient, see triton_op.py), by default new ones."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
+    key = _plan_key("bwd", causal, mask, do, q, k, v, o, lse, dq, dk, dv)
+    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask),
+             do, q, k, v, o, lse, dq, dk, dv, scale)
+    return dq, dk, dv
+
+
+def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
+    D, Tq, Tk = q.shape[-1], q.shape[2], k.shape[2]
+    # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
+    # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
+    # depend on the order the adds land in
+    if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
+            and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
+        hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
+        tiles = triton_hopper_backward.tiles(D, dk, dv)
+        if HOPPER_MODE == "1":
+            tile = tiles[0]
+        else:
+            tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
+                                   tiles, D, causal, q.dtype, Tq, Tk, (do, q, k, v, o, lse, dq, dk, dv, scale))
+        if tile is not None:
+            return hopper(tile).again
+    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
+
+
+def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel.
+    -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+
+    def args(do, q, k, v, o, lse, dq, dk, dv, scale):
+        """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
+        delta = torch.empty_like(lse)
+        seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
+        return ((q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
+                 *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)),
+                (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                 *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)))
+    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale)
+    constants = _constants(q, causal, mask)
+    # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
+    _, dq_launched = tuned_launch("dq", attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
+                                  dq_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+    _, dkdv_launched = tuned_launch("dkdv", attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
+                                    dkdv_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+
+    def again(*call):
+        dq_args, dkdv_args = args(*call)
+        dq_launched.again(*dq_args)
+        dkdv_launched.again(*dkdv_args)
+    return again

@@ -1,9 +1,0 @@
-# The GPU run of this probe: what ptxas made of the forward's tiles, the forward and launch GPU tests, then the probe.
-# Results under $OUT.
-export PYTHONPATH=.
-D=benchmarks/results/2026-11-22-h200-item-edges
-TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build 2>&1 | grep '^{' > $OUT/build.log
-timeout 200 python3 -m pytest -q -m gpu -rs tests/test_triton_hopper.py tests/test_launch.py > $OUT/gpu-tests-forward.log 2>&1
-tail -2 $OUT/gpu-tests-forward.log
-timeout 330 python3 $D/edges_probe.py $OUT > $OUT/edges.log 2> $OUT/edges_stderr.txt
-tail -45 $OUT/edges_stderr.txt

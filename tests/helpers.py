@@ -1,0 +1,245 @@
+"""What more than one test module uses: fresh random inputs, the float64 error criterion, shared checks and tools.
+
+Test modules import it as `from helpers import ...` (pytest's default import mode puts tests/ on sys.path, whether
+it runs from the repository root or from tests/); no test module imports another. Kernel modules (triton_*) are
+imported inside the functions that need them: Triton decides when they are first imported whether their kernels run
+in the CPU interpreter, and conftest.py sets TRITON_INTERPRET=1 first.
+
+The error criterion of every kernel test: each output and gradient, compared with the same computation in float64,
+may be off by at most twice what PyTorch's own attention in the same dtype (the naive backend, or a backend's dense
+reference) is off by, plus 1e-5. The error is the largest absolute one: a bug confined to one tile (a wrong mask on
+the diagonal, a ragged edge) shows up in a few elements, which a norm over the tensor would dilute.
+"""
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attention import attention, attention_qkvpacked, get_backend, register_backend
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+# the keys of every train record in metrics.jsonl (train.py and examples/train_llama.py write the same format)
+TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_gb", "attn",
+              "warmup"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# random inputs
+
+
+def _generator(seed: int | None, device) -> torch.Generator | None:
+    return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+def qkv(B=1, Hq=2, Hkv=2, Tq=37, Tk=37, D=32, dtype=torch.float32, device="cpu", *, seed: int | None = None,
+        requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh standard-normal q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D), contiguous. seed: drawn from a generator of
+    their own (the same tensors every time); None: from torch's global generator (torch.manual_seed)."""
+    generator = _generator(seed, device)
+    q, k, v = (torch.randn(B, H, T, D, dtype=dtype, device=device, generator=generator)
+               for H, T in ((Hq, Tq), (Hkv, Tk), (Hkv, Tk)))
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def packed_qkv(B=2, T=37, nh=2, hs=24, dtype=torch.float32, device="cpu", *, seed: int | None = None) -> torch.Tensor:
+    """Fresh random (B, T, 3, nh, hs): a fused qkv projection's output viewed per head, what attention_qkvpacked
+    takes (model.py passes it so)."""
+    return torch.randn(B, T, 3, nh, hs, dtype=dtype, device=device, generator=_generator(seed, device))
+
+
+def projection_views(B=2, T=37, nh=2, hs=24, dtype=torch.float32, device="cpu", *, seed: int | None = None):
+    """q, k, v (B, nh, T, hs) as a model makes them from a fresh random (B, T, 3 * nh * hs) projection: split in
+    three, heads viewed, transposed. Strided views of one tensor, none of them contiguous."""
+    proj = torch.randn(B, T, 3 * nh * hs, dtype=dtype, device=device, generator=_generator(seed, device))
+    return tuple(t.view(B, T, nh, hs).transpose(1, 2) for t in proj.split(nh * hs, dim=2))
+
+
+def random_tokens(B: int, T: int, vocab: int, seed: int = 1, device="cpu") -> torch.Tensor:
+    """(B, T) token ids drawn uniformly from [0, vocab), the same for the same seed."""
+    return torch.randint(0, vocab, (B, T), device=device, generator=torch.Generator(device).manual_seed(seed))
+
+
+def packed_document_ids(B: int, T: int, lengths_per_row: list[list[int]]) -> torch.Tensor:
+    """(B, T) ids of packed documents: row b holds documents of the given lengths, the last one cut at T."""
+    rows = []
+    for lengths in lengths_per_row:
+        ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        rows.append(ids[:T])
+    return torch.stack(rows)
+
+
+def token_shards(folder: Path, vocab: int, sizes: dict[str, int], phrase: int | None = None, noise: float = 0.0,
+                 seed: int = 0) -> Path:
+    """Token shards in the data package's format in folder (split -> number of tokens): a repeating random phrase
+    of `phrase` tokens with a `noise` fraction of random tokens (learnable within a few steps), or with phrase None
+    uniform random tokens. -> folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    repeated = None if phrase is None else rng.integers(0, vocab, phrase)
+    for split, n_tokens in sizes.items():
+        if repeated is None:
+            tokens = rng.integers(0, vocab, n_tokens)
+        else:
+            tokens = np.resize(repeated, n_tokens)
+            mixed = rng.random(n_tokens) < noise
+            tokens[mixed] = rng.integers(0, vocab, mixed.sum())
+        np.save(folder / f"{split}_000000.npy", tokens.astype(np.uint16))
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the float64 criterion
+
+
+def out_and_grads(fn, q, k, v, do):
+    """fn(q, k, v) and its gradients for the upstream gradient do, on fresh leaves that keep the inputs' strides
+    (detach() shares storage), so strided views reach the kernel as views."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+
+def assert_errors_within(names, exact, reference, ours) -> None:
+    """For each named tensor: max |ours - exact| <= 2 * max |reference - exact| + 1e-5, exact computed in float64 and
+    reference in the dtype of ours (module docstring). A NaN in ours fails."""
+    for name, ref, theirs, mine in zip(names, exact, reference, ours, strict=True):
+        assert mine.shape == ref.shape, f"{name}: shape {tuple(mine.shape)}, expected {tuple(ref.shape)}"
+        err_ref = (theirs.double() - ref).abs().max().item()
+        err_ours = (mine.double() - ref).abs().max().item()
+        assert err_ours <= 2 * err_ref + 1e-5, f"{name}: error {err_ours:.3g} vs the reference's {err_ref:.3g}"
+
+
+def assert_fn_matches_fp64(fn: Callable, reference: Callable, q, k, v):
+    """fn(q, k, v) and its dq, dk, dv against reference on float64 copies, judged by reference in q's dtype.
+    -> fn's (out, dq, dk, dv), for further checks."""
+    do = torch.randn(q.shape, dtype=q.dtype, device=q.device)  # the output is shaped like q
+    exact = out_and_grads(reference, q.double(), k.double(), v.double(), do.double())
+    math = out_and_grads(reference, q, k, v, do)
+    ours = out_and_grads(fn, q, k, v, do)
+    for name, t in zip(("out", "dq", "dk", "dv"), ours):
+        assert t.dtype == q.dtype, f"{name} is {t.dtype}, q {q.dtype}"
+    assert_errors_within(("out", "dq", "dk", "dv"), exact, math, ours)
+    return ours
+
+
+def assert_matches_fp64(q, k, v, causal=True, scale=None, backend="triton", reference: Callable | None = None,
+                        **kwargs):
+    """attention(q, k, v, causal, scale, backend=backend, **kwargs), forward and dq, dk, dv, against float64 by the
+    criterion of the module docstring. kwargs: window / document_ids / block_mask, and the backend's options.
+    reference(q, k, v): the computation in float64 and in q's dtype; by default the naive backend (PyTorch's math
+    attention) with the same kwargs, which a backend computing another function (MoBA) must replace."""
+    def call(name):
+        return lambda *t: attention(*t, causal, scale, backend=name, **kwargs)
+
+    ours = call(backend)
+    if backend == "triton" and not kwargs:
+        # the kernels' own entry point, which attention() calls for this: with it a single causal query stays
+        # causal (attention() drops the flag, which cannot hide a key from the last position)
+        from attention.triton_op import flash_attention
+
+        ours = lambda *t: flash_attention(*t, causal, scale)  # noqa: E731
+    return assert_fn_matches_fp64(ours, reference or call("naive"), q, k, v)
+
+
+def assert_qkvpacked_matches_fp64(qkv_packed, backend="triton", reference: Callable | None = None, **kwargs):
+    """attention_qkvpacked(qkv_packed, backend=backend, **kwargs): output and the gradient of qkv against float64,
+    judged as assert_matches_fp64 does; reference(packed) by default the naive backend with the same kwargs.
+    -> (out, dqkv) for further checks."""
+    B, T, _, nh, hs = qkv_packed.shape
+    do = torch.randn(B, nh, T, hs, dtype=qkv_packed.dtype, device=qkv_packed.device)
+
+    def run(fn, packed, do):
+        packed = packed.detach().requires_grad_()
+        out = fn(packed)
+        return out, *torch.autograd.grad(out, packed, do)
+
+    ours_fn = lambda packed: attention_qkvpacked(packed, backend=backend, **kwargs)  # noqa: E731
+    reference = reference or (lambda packed: attention_qkvpacked(packed, backend="naive", **kwargs))
+    exact, math = run(reference, qkv_packed.double(), do.double()), run(reference, qkv_packed, do)
+    ours = run(ours_fn, qkv_packed, do)
+    for name, t in zip(("out", "dqkv"), ours):
+        assert t.dtype == qkv_packed.dtype, f"{name} is {t.dtype}, qkv {qkv_packed.dtype}"
+    assert_errors_within(("out", "dqkv"), exact, math, ours)
+    return ours
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# other checks
+
+
+def assert_bitwise_deterministic(q, k, v, backend="triton", **kwargs) -> None:
+    """Two forward+backward runs of attention() on the same inputs agree bit for bit (no atomics anywhere)."""
+    do = torch.randn_like(q)
+    run = lambda *t: attention(*t, backend=backend, **kwargs)  # noqa: E731
+    first, second = out_and_grads(run, q, k, v, do), out_and_grads(run, q, k, v, do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), name
+
+
+def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False) -> None:
+    """torch.compile(fullgraph=True) of a model's attention path (fused qkv projection, head views or with packed
+    the (B, T, 3, nh, hs) view model.py passes, the Triton kernel, heads merged back) gives eager's output and
+    gradients. fullgraph=True fails on any graph break, e.g. an operator without a fake implementation."""
+    from attention.triton_op import flash_attention
+
+    C = nh * hs
+
+    def block(x, w):
+        if packed:
+            y = attention_qkvpacked((x @ w).view(B, T, 3, nh, hs), backend="triton")
+        else:
+            q, k, v = (x @ w).split(C, dim=2)
+            y = flash_attention(*(t.view(B, T, nh, hs).transpose(1, 2) for t in (q, k, v)))
+        return y.transpose(1, 2).contiguous().view(B, T, C)
+
+    x = torch.randn(B, T, C, dtype=dtype, device=device)
+    w = torch.randn(C, 3 * C, dtype=dtype, device=device) * C**-0.5
+    do = torch.randn(B, T, C, dtype=dtype, device=device)
+
+    def run(fn):
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(x_, w_)
+        out.backward(do)
+        return out, x_.grad, w_.grad
+
+    for eager, compiled in zip(run(block), run(torch.compile(block, fullgraph=True))):
+        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tools
+
+
+def whole_paths(monkeypatch) -> list[str]:
+    """Records each call of the Triton kernels that took the whole path (and so built a launch plan) instead of
+    running a kept plan (attention/triton_dispatch.py): "_forward_plan", "_backward_plan"."""
+    from attention import triton_dispatch
+
+    taken = []
+    for name in ("_forward_plan", "_backward_plan"):
+        whole_path = getattr(triton_dispatch, name)
+        monkeypatch.setattr(triton_dispatch, name, lambda *args, _path=whole_path, _name=name: taken.append(_name)
+                            or _path(*args))
+    return taken
+
+
+def registered_backend(monkeypatch, name: str, fn: Callable, supports_masks: bool = False, **abilities):
+    """register_backend(name, fn, supports_masks, **abilities) for one test: the registry is as before once the test
+    ends (register_backend itself is for good). -> its attention.Backend."""
+    from attention import registry
+
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    register_backend(name, fn, supports_masks, **abilities)
+    return get_backend(name)
+
+
+def markdown_section(md: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the table under `## heading`."""
+    lines = md.split(f"## {heading}\n", 1)[1].lstrip("\n").splitlines()
+    table = [[c.strip() for c in line.strip("|").split("|")]
+             for line in itertools.takewhile(lambda line: line.startswith("|"), lines)]
+    return table[0], table[2:]
