@@ -348,7 +348,7 @@ class GPT(nn.Module):
         keys = keys_per_query(cfg.attn, cfg.block_size, cfg.window, **cfg.attn_options)
         return 6 * self.num_params() + 12 * cfg.n_layer * cfg.n_embd * keys
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
+    def configure_optimizers(self, weight_decay, learning_rate, betas) -> torch.optim.AdamW:
         # Decay matmul weights and embeddings (every 2-D tensor). Biases and LayerNorm gains (1-D)
         # are few and only shift or scale activations: pulling gains towards 0 would not regularise.
         params = [p for p in self.parameters() if p.requires_grad]
@@ -356,8 +356,9 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        # the fused kernel updates all parameters in a few launches instead of several per tensor
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        # the fused kernel updates all parameters in a few launches instead of several per tensor, and skips the
+        # update on the device when training/step.py's non-finite check says so (found_inf)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,

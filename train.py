@@ -22,16 +22,18 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+from attention import get_backend
 from data.loader import TokenLoader
+from data.shards import ShardError
 from data.tokenizer import EOT_TOKEN, get_encoding
 from model import GPT, GPTConfig
-from training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
 from training.distributed import (World, close_process_group, gather_to_main, init_process_group,
                                   sum_across_ranks, wait_for_all_ranks, world_from_env)
-from training.logger import RunLogger, format_step, peak_flops
+from training.logger import RunLogger, format_skipped, format_step, peak_flops
+from training.step import TrainStep
 
-CHECKPOINT_NAME = "ckpt.pt"
 # The first steps of every process include torch.compile and CUDA warm-up; their records carry
 # "warmup": true so that timing comparisons can leave them out.
 TIMING_WARMUP_STEPS = 3
@@ -56,6 +58,24 @@ def pick_device(cfg: TrainConfig, world: World) -> torch.device:
     if name == "cuda" or (name.startswith("cuda") and "RANK" in os.environ):
         name = f"cuda:{world.local_rank}"  # under torchrun each process drives the GPU of its local rank
     return torch.device(name)
+
+
+def check_attention_device(cfg: TrainConfig, device: torch.device) -> None:
+    """The attention backend runs on this device, or a ConfigError naming the choices (before anything is built)."""
+    check = get_backend(cfg.attn).check_device
+    try:
+        if check is not None:
+            check(device)
+    except ValueError as err:
+        raise ConfigError(f"--attn={cfg.attn}: {err}") from None
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+class NonFiniteError(RuntimeError):
+    """Training met non-finite losses or gradients it may not go on with (TrainConfig.nonfinite)."""
 
 
 def pick_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -98,8 +118,12 @@ class StopSignal:
 def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
     if checkpoint:
         # the shape comes from the checkpoint; the backend and dropout may change between runs, but
-        # another window or MoBA setting would be another model
-        saved = GPTConfig(**checkpoint["model_config"])
+        # another window or a sparse backend's settings would be another model
+        try:
+            saved = GPTConfig(**checkpoint["model_config"])
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"the checkpoint's model_config does not describe a model of this version ({err}); "
+                              "resume it with the version that wrote it, or start a new run") from None
         config = replace(saved, **cfg.attention_settings(), dropout=cfg.dropout)
         if config.sparsity() != saved.sparsity():
             flags = {"attn": saved.attn, "window": saved.window, **saved.sparsity()}
@@ -107,7 +131,13 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
                               f"asks for {config.sparsity() or 'none'}; resume with the settings that trained it: "
                               + " ".join(f"--{k}={v}" for k, v in flags.items()))
         model = GPT(config)
-        model.load_state_dict(checkpoint["model"])
+        try:
+            model.load_state_dict(checkpoint["model"])
+        except RuntimeError as err:  # a state dict of another shape: one line of what differs, not torch's list
+            reason = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line
+                           or "Missing" in line or "Unexpected" in line), str(err).splitlines()[0])
+            raise ConfigError(f"the checkpoint's weights do not fit its own model_config ({reason}); it was not "
+                              "written by this trainer, or was changed after") from None
     elif cfg.init_from != "scratch":
         try:
             model = GPT.from_pretrained(cfg.init_from, **cfg.attention_settings())
@@ -121,9 +151,9 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
     return model
 
 
-def open_loader(cfg: TrainConfig, split: str, world: World) -> TokenLoader:
+def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> TokenLoader:
     try:
-        return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size)
+        return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size, vocab_size)
     except (FileNotFoundError, ValueError) as err:
         hint = "; or pass --eval_interval=0 to train without evaluation" if split == "val" else ""
         raise ConfigError(f"{err}{hint}") from None
@@ -173,6 +203,7 @@ def sample_text(model: GPT, prompt: list[int], cfg: TrainConfig, step: int, auto
 def train(cfg: TrainConfig) -> None:
     world = world_from_env()
     device = pick_device(cfg, world)
+    check_attention_device(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so NCCL binds to this GPU
     init_process_group(world, device)
@@ -194,29 +225,31 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)
     tokens_per_step = cfg.batch_size * cfg.block_size * grad_accum * world.size
-    ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
+    checkpoints = Checkpoints(cfg.out_dir)
 
-    checkpoint = None
-    if cfg.resume:
-        try:
-            checkpoint = load_checkpoint(ckpt_path)
-        except FileNotFoundError as err:
-            raise ConfigError(str(err)) from None
+    checkpoint = checkpoints.load(log=print if world.is_main else lambda _: None) if cfg.resume else None
     start_step = checkpoint["step"] if checkpoint else 0
 
     raw_model = build_model(cfg, checkpoint).to(device)
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
     # loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 do not need it
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    train_loader = open_loader(cfg, "train", world)
-    val_loader = open_loader(cfg, "val", world) if cfg.eval_interval else None
+    vocab_size = raw_model.config.vocab_size
+    train_loader = open_loader(cfg, "train", world, vocab_size)
+    val_loader = open_loader(cfg, "val", world, vocab_size) if cfg.eval_interval else None
     val_start = val_loader.state_dict() if val_loader else None
-    prompt = prompt_tokens(cfg, raw_model.config.vocab_size) if cfg.sample_interval and world.is_main else None
+    prompt = prompt_tokens(cfg, vocab_size) if cfg.sample_interval and world.is_main else None
     best_val_loss = math.inf
     if checkpoint:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scaler.load_state_dict(checkpoint["scaler"])
-        train_loader.load_state_dict(checkpoint["train_loader"])
+        try:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scaler.load_state_dict(checkpoint["scaler"])
+            train_loader.load_state_dict(checkpoint["train_loader"])
+        except ShardError:
+            raise  # a damaged shard names itself
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise ConfigError(f"the checkpoint's optimizer or data state does not fit this run ({err}); resume with "
+                              "the settings and data_dir that trained it") from None
         best_val_loss = checkpoint["best_val_loss"]
         if len(checkpoint["rng"]) == world.size:
             set_rng_state(checkpoint["rng"][world.rank])
@@ -228,6 +261,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     ddp = torch.distributed.is_initialized()
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
+                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off")
 
     logger = RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None) if world.is_main else None
     flops_per_token = raw_model.flops_per_token()
@@ -237,54 +272,32 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}{sparsity}, {device}, {dtype}, "
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
               f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else ""))
+    skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # steps without an update, in all
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
     def save(step: int) -> None:
+        # a non-finite weight never reaches a checkpoint: the last good one stays the newest
+        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+            raise NonFiniteError(f"the weights hold non-finite values at step {step}, so nothing was saved; lower "
+                                 f"--learning_rate or --grad_clip; {checkpoints.where_to_resume()}")
         rng = gather_to_main(rng_state())  # a collective: every rank takes part
         if world.is_main:
-            save_checkpoint({
+            checkpoints.save({
                 # the unwrapped module: no DDP `module.` or torch.compile `_orig_mod.` key prefixes
                 "model": raw_model.state_dict(),
                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                 "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
                 "step": step, "best_val_loss": best_val_loss, "train_loader": train_loader.state_dict(),
-                "rng": rng, "wandb_run_id": logger.wandb_run_id,
-            }, ckpt_path)
-
-    def optimizer_step(lr: float, stop_requested: bool) -> tuple[float, torch.Tensor, float]:
-        """One update over grad_accum micro-batches; returns the loss averaged over the whole batch and
-        all ranks, the pre-clip gradient norm, and how many ranks were asked to stop."""
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum):
-            x, y = train_loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces gradients in every backward: only the last micro-step's is needed
-            last_micro = micro_step == grad_accum - 1
-            with nullcontext() if last_micro or not ddp else model.no_sync():
-                with autocast:
-                    _, loss = model(x, y)
-                loss_sum += loss.detach()
-                scaler.scale(loss / grad_accum).backward()  # / grad_accum: the mean over the whole batch
-        scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-        scaler.step(optimizer)
-        scaler.update()
-        # one all-reduce carries both the loss to log and the stop requests, so that all ranks stop
-        # after the same step
-        stop_flag = torch.tensor(float(stop_requested), device=device)
-        shared = sum_across_ranks(torch.stack([loss_sum / grad_accum, stop_flag]))
-        loss_total, stop_votes = shared.tolist()
-        return loss_total / world.size, grad_norm, stop_votes
+                "rng": rng, "wandb_run_id": logger.wandb_run_id, "skipped_steps": skipped,
+            })
 
     # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
-    step, stopped_by = start_step, None
+    step, stopped_by, in_a_row = start_step, None, 0
     with StopSignal() as stop:
         while True:
-            # step = optimizer updates done so far; val loss and samples describe the model after them
+            # step = optimizer steps taken so far (updates and skipped ones); val loss and samples describe the
+            # model after them
             last = step >= cfg.max_steps  # >=: a resume may start past a lowered max_steps
             if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
                 val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
@@ -303,28 +316,41 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
-            train_loss, grad_norm, stop_votes = optimizer_step(lr, stop.signum is not None)
+            result = optimizer_step(lr, stop.signum is not None)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
+            in_a_row = 0 if result.finite else in_a_row + 1
+            skipped += not result.finite
 
             tokens_per_s = tokens_per_step / step_s
             if world.is_main:
                 bar.update(1)
-                bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", ms=f"{1000 * step_s:.0f}",
+                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", ms=f"{1000 * step_s:.0f}",
                                 tok_s=f"{tokens_per_s:,.0f}")
-                if step % cfg.log_interval == 0 or step == cfg.max_steps - 1:
-                    record = {
-                        "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm.item(),
+                if step % cfg.log_interval == 0 or step == cfg.max_steps - 1 or not result.finite:
+                    grad_norm = result.grad_norm.item()
+                    record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
+                        "step": step, "train_loss": finite_or_none(result.loss), "lr": lr,
+                        "grad_norm": finite_or_none(grad_norm),
                         "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_s,
                         "mfu": flops_per_token * tokens_per_s / (peak * world.size) if peak else None,
                         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                         "attn": cfg.attn, "warmup": step - start_step < TIMING_WARMUP_STEPS,
+                        "skipped": not result.finite, "skipped_steps": skipped,
                     }
                     logger.log_train(record)
-                    bar.write(format_step(record, cfg.max_steps))
+                    bar.write(format_skipped(step, result.loss, grad_norm, skipped, in_a_row, cfg)
+                              if not result.finite else format_step(record, cfg.max_steps))
             step += 1
-            if stop_votes:
+            if not result.finite and (cfg.nonfinite == "stop" or in_a_row >= cfg.max_skipped_steps):
+                if world.is_main:
+                    logger.close()
+                raise NonFiniteError(
+                    f"{in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step {step - 1}, "
+                    f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
+                    f"{checkpoints.where_to_resume()}")
+            if result.stop_votes:
                 stopped_by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
                 break
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
@@ -336,14 +362,15 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
         logger.close()
         status = f"stopped by {stopped_by}" if stopped_by else "done"
         best = f"best val loss {best_val_loss:.4f}; " if best_val_loss < math.inf else ""
+        skips = f"{skipped} step(s) skipped for non-finite values; " if skipped else ""
         resume_hint = "; continue with --resume" if stopped_by else ""
-        print(f"{status} at step {step}; {best}checkpoint {ckpt_path}{resume_hint}")
+        print(f"{status} at step {step}; {best}{skips}checkpoint {checkpoints.newest}{resume_hint}")
 
 
 def main(argv: list[str]) -> None:
     try:
         train(parse_args(argv))
-    except ConfigError as err:
+    except (ConfigError, CheckpointError, ShardError, NonFiniteError) as err:
         sys.exit(f"train.py: error: {err}")
 
 

@@ -17,11 +17,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> None:
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; use one of float16, bfloat16, float32, float64")
-        for dim, size in zip(("batch", "heads", "seq_len", "head_dim"), t.shape):
-            if size == 0:
-                raise ValueError(f"{name} has {dim} 0 (shape {tuple(t.shape)}); attention needs at least one of "
-                                 f"each: check the {dim} of the tensors you pass (n_head and n_embd for heads and "
-                                 "head_dim, an empty batch or sequence upstream)")
+        if 0 in t.shape:
+            dim = ("batch", "heads", "seq_len", "head_dim")[t.shape.index(0)]
+            raise ValueError(f"{name} has {dim} 0 (shape {tuple(t.shape)}); attention needs at least one of each: "
+                             f"check the {dim} of the tensors you pass (n_head and n_embd for heads and head_dim, "
+                             "an empty batch or sequence upstream)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them with .to()")
     if not (q.device == k.device == v.device):

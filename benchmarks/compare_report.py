@@ -20,7 +20,8 @@ from benchmarks.report import fmt, markdown_table, pyplot, write_json
 
 
 def read_metrics(path: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    """Train records and val losses of one run, by step. A step logged twice keeps its last record."""
+    """Train records and val losses of one run, by step. A step logged twice keeps its last record. A step train.py
+    skipped for a non-finite loss (its train_loss null) is left out of the curves; skipped_steps counts it."""
     train, val = {}, {}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -28,7 +29,7 @@ def read_metrics(path: Path) -> tuple[dict[int, dict], dict[int, float]]:
         record = json.loads(line)
         if "val_loss" in record:
             val[record["step"]] = record["val_loss"]
-        else:
+        elif record.get("train_loss") is not None:
             train[record["step"]] = record
     return dict(sorted(train.items())), dict(sorted(val.items()))
 
@@ -62,6 +63,7 @@ def summarize_run(train: dict[int, dict], val: dict[int, float], ref_train: dict
         "median_tokens_per_s": median(steady, "tokens_per_s"),
         "median_mfu": median(steady, "mfu"),
         "peak_mem_gb": max(peaks, default=None),
+        "skipped_steps": max((r.get("skipped_steps") or 0 for r in train.values()), default=0) or None,
     }
 
 
@@ -104,10 +106,16 @@ def summarize(runs: dict[str, dict], reference: str, skip_steps: int) -> dict:
     if reference not in runs:
         raise ValueError(f"reference run {reference!r} has no folder here (found {', '.join(runs) or 'none'}); "
                          "pass --reference with one of those")
-    ref = runs[reference]
+    def ref_of(run: dict) -> dict:
+        """The reference run of the same seed (with --seeds every variant runs each seed), else the reference."""
+        variant, seed = runs[reference]["meta"].get("variant"), run["meta"].get("seed")
+        same_seed = [other for other in runs.values()
+                     if other["meta"].get("variant") == variant and other["meta"].get("seed") == seed]
+        return same_seed[0] if variant is not None and same_seed else runs[reference]
+
     backends = {
         name: {"status": run_status(name, run), "settings": run["meta"].get("settings"),
-               **summarize_run(run["train"], run["val"], ref["train"], ref["val"], skip_steps)}
+               **summarize_run(run["train"], run["val"], ref_of(run)["train"], ref_of(run)["val"], skip_steps)}
         for name, run in runs.items()
     }
     for row in backends.values():
@@ -167,6 +175,7 @@ COLUMNS = [  # (header, key, scale)
     ("tokens/s", "median_tokens_per_s", 1),
     ("MFU %", "median_mfu", 100),
     ("peak mem GB", "peak_mem_gb", 1),
+    ("skipped steps", "skipped_steps", 1),
     ("speed-up vs naive", "speedup_vs_naive", 1),
     ("speed-up vs reference", "speedup_vs_reference", 1),
 ]
@@ -188,7 +197,8 @@ def markdown(summary: dict) -> str:
         "# Training comparison\n",
         f"Group `{summary['group']}`; {env.get('gpu') or 'CPU'}, torch {env.get('torch')}, triton {env.get('triton')}, "
         f"{env.get('date')}. train.py arguments: `{' '.join(summary['train_args'] or [])}`; each run's flags follow them\n",
-        f"- diffs: largest |loss(run) - loss({ref})| over the steps both logged (same seed, same data order); "
+        f"- diffs: largest |loss(run) - loss({ref})| over the steps both logged (same seed, same data order; with "
+        "several seeds, against the reference variant's run of the same seed); "
         f"speed-up vs reference: {ref}'s median step time over the run's",
         f"- step time, tokens/s, MFU: medians over the logged steps >= {summary['skip_steps']} that train.py did not "
         "flag as warm-up (those pay for compilation and cold caches); peak memory: the largest logged\n",
@@ -235,6 +245,7 @@ def plot_losses(runs: dict[str, dict], summary: dict, path: Path) -> None:
             diffs.plot(common, [abs(run["train"][s]["train_loss"] - ref_losses[s]) for s in common], color=color, label=name)
     curves.set(xlabel="step", ylabel="loss", title="loss, all runs overlaid")
     diffs.set(xlabel="step", ylabel=f"|train loss - {reference}|", title=f"distance from {reference}")
+    diffs.set_yscale("symlog", linthresh=1e-7)  # float32 runs part at 1e-7 and grow by orders of magnitude
     for ax in (curves, diffs):
         ax.grid(True, alpha=0.3)
         if ax.lines:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind the README's tables, and the GPU tests: one or more stages per call of a GPU machine.
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
-# STAGE: env | tests | kernels | memory | same_loss | step | sparse | decoding
+# STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
@@ -48,20 +48,25 @@ triton.__version__)" | log ;;
       --passes fwd+bwd --backends naive,sdpa-flash,sdpa-cudnn,triton --rounds 1 --out_dir "$RESULTS/memory" 2>&1 \
       | grep -v "it/s]" | log
     pack memory ;;
-  same_loss)  # float32 without TF32: the backends' losses step by step; bf16: three seeds per backend
+  same_loss)  # float32 without TF32: the backends' losses step by step against naive's (into same_loss/fp32)
     shakespeare 2>&1 | log
     timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --backends naive,sdpa,triton --reference naive \
       --out_dir "$RESULTS/same_loss/fp32" --wandb false -- configs/shakespeare.py --dtype=float32 --tf32=false \
       --compile=false --batch_size=8 --max_steps=200 --eval_interval=50 --sample_interval=0 2>&1 \
       | grep -v "it/s]" | tail -20 | log
+    pack same_loss ;;
+  seeds)  # bf16: three seeds per backend, the backend-to-backend difference against the seed spread (same_loss/bf16)
+    shakespeare 2>&1 | log
     timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --backends naive,sdpa,triton --seeds 1,2,3 \
       --out_dir "$RESULTS/same_loss/bf16" --wandb false -- configs/shakespeare.py --compile=false --max_steps=200 \
       --eval_interval=50 --sample_interval=0 2>&1 | grep -v "it/s]" | tail -30 | log
     pack same_loss ;;
-  step)  # the GPT-2 training step per backend, compiled, side by side in one process
+  step)  # the GPT-2 training step per backend, compiled, side by side in one process; triton twice (an A/A pair on
+         # one model: the run's noise) and once without the non-finite check (its cost)
     shakespeare 2>&1 | log
-    timeout "$SECONDS_LEFT" python3 -m benchmarks.train_step configs/shakespeare.py \
-      --backends naive,compile,sdpa,triton --rounds 5 --steps 20 --out_dir "$RESULTS/step" 2>&1 | log
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.train_step configs/shakespeare.py --rounds 5 --steps 20 \
+      --backends "naive,sdpa,triton,triton-again:attn=triton,triton-unchecked:attn=triton+nonfinite=off" \
+      --out_dir "$RESULTS/step" 2>&1 | log
     pack step ;;
   sparse)  # sliding window, packed documents and MoBA against dense causal and FlexAttention
     timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --resume --out_dir "$RESULTS/sparse" 2>&1 \
@@ -71,6 +76,6 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.generate --backends sdpa,triton --out_dir "$RESULTS/decoding" \
       2>&1 | log
     pack decoding ;;
-  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|step|sparse|decoding" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding" >&2; exit 2 ;;
   esac
 done

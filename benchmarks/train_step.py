@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 if __name__ == "__main__" and not __package__:
@@ -30,6 +31,7 @@ from model import GPT
 from train import open_loader, pick_device, pick_dtype, set_tf32
 from training.config import ConfigError, parse_args
 from training.distributed import World
+from training.step import TrainStep
 
 # GPU kernels by name. Ours are attn_fwd*/attn_bwd_* (the Hopper backward's pre- and post-pass too) and _moba_*;
 # PyTorch's sdpa runs cuDNN ("cudnn ... sdpa"), FlashAttention ("flash") or memory-efficient ("fmha") kernels.
@@ -47,33 +49,33 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def make_step(cfg, world: World, compile_mode: str = "default") -> tuple[Callable[[], None], torch.device, torch.dtype]:
-    """-> (step, device, dtype): step() runs one training step (forward and backward over the
-    gradient-accumulation micro-batches, clip, AdamW) of a model built from cfg, without syncing.
-    compile_mode: torch.compile's mode when cfg.compile ("reduce-overhead" replays CUDA graphs)."""
+def make_step(cfg, world: World, compile_mode: str = "default", built: dict | None = None
+              ) -> tuple[Callable[[], None], torch.device, torch.dtype]:
+    """-> (step, device, dtype): step() runs one training step of a model built from cfg, train.py's step
+    (training/step.py: forward and backward over the gradient-accumulation micro-batches, clip, the non-finite check
+    as cfg.nonfinite says, AdamW), without syncing beyond the step's own. compile_mode: torch.compile's mode when
+    cfg.compile ("reduce-overhead" replays CUDA graphs). built: models by their settings, so that runs which differ
+    only in the training loop's settings (nonfinite) train one model and compile it once."""
     device = pick_device(cfg, world)
     dtype = pick_dtype(cfg, device)
-    torch.manual_seed(cfg.seed)
-    set_tf32(cfg, device)
-    model = GPT(cfg.gpt_config()).to(device)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
-    if cfg.compile:
-        model = torch.compile(model, mode=compile_mode)
-    loader = open_loader(cfg, "train", world)
+    key = repr({**asdict(cfg), "nonfinite": None, "max_skipped_steps": None})
+    if built is None or key not in built:
+        torch.manual_seed(cfg.seed)
+        set_tf32(cfg, device)
+        raw_model = GPT(cfg.gpt_config()).to(device)
+        optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
+        model = torch.compile(raw_model, mode=compile_mode) if cfg.compile else raw_model
+        loader = open_loader(cfg, "train", world, raw_model.config.vocab_size)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        parts = (model, raw_model.parameters(), optimizer, scaler, loader.next_batch)
+        if built is not None:
+            built[key] = parts
+    else:
+        parts = built[key]
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
-    grad_accum = cfg.grad_accum_steps(world.size)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(grad_accum):
-            x, y = loader.next_batch()
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            (loss / grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        optimizer.step()
-
-    return step, device, dtype
+    train_step = TrainStep(*parts, autocast, device, cfg.grad_accum_steps(world.size), cfg.grad_clip, world.size,
+                           ddp=False, check_finite=cfg.nonfinite != "off")
+    return lambda: train_step(cfg.learning_rate, False), device, dtype
 
 
 def timed_steps(step: Callable[[], None], device: torch.device, n: int, wait_for_gpu: bool = True) -> list[float]:
@@ -137,7 +139,9 @@ def _label(choice) -> str:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--backends", default="sdpa,triton", help="comma-separated --attn values")
+    p.add_argument("--backends", default="sdpa,triton",
+                   help="comma-separated runs: an --attn value, or name:key=value+key=value for train.py flags, "
+                        "e.g. unchecked:attn=triton+nonfinite=off (runs that differ only in nonfinite share a model)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per backend first (compiling, tuning)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="timed steps per backend per round")
@@ -150,11 +154,13 @@ def main(argv=None) -> dict:
     args, train_argv = p.parse_known_args(argv)
 
     world = World()
-    steps, cfgs = {}, {}
+    steps, cfgs, built = {}, {}, {}
     log_before, triton_tuner.tuning_log = triton_tuner.tuning_log, []  # what the tuner chose in the warm-up steps
-    for name in args.backends.split(","):
-        cfgs[name] = parse_args([*train_argv, f"--attn={name}", "--wandb=false"])
-        steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode)
+    for run in args.backends.split(","):
+        name, _, flags = run.partition(":")
+        flags = [f"--{flag}" for flag in flags.split("+") if flag] or [f"--attn={name}"]
+        cfgs[name] = parse_args([*train_argv, *flags, "--wandb=false"])
+        steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode, built)
         timed_steps(steps[name], device, args.warmup)
     step_ms = {name: [] for name in steps}
     for order in rotations(list(steps), args.rounds):

@@ -9,11 +9,12 @@ import argparse
 import itertools
 import multiprocessing
 import os
+import sys
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .shards import find_shards, shard_path, write_shard
+from .shards import find_shards, shard_path, write_index, write_shard
 from .tokenizer import EOT_TOKEN, encode
 
 DATASET, SUBSET = "HuggingFaceFW/fineweb-edu", "sample-10BT"
@@ -73,9 +74,9 @@ def group_into_shards(token_arrays: Iterable[np.ndarray], shard_tokens: int,
 
 
 def write_shards(documents: Iterable[str], out_dir: str, shard_tokens: int = 10**8,
-                 max_tokens: int | None = None, workers: int = 1) -> list[str]:
-    """Tokenize documents into {out_dir}/val_000000.npy, train_000000.npy, train_000001.npy, ...
-    Returns the paths written, val first."""
+                 max_tokens: int | None = None, workers: int = 1, made_by: str = "python -m data.fineweb") -> list[str]:
+    """Tokenize documents into {out_dir}/val_000000.npy, train_000000.npy, train_000001.npy, ..., then their
+    index (made_by: the command that re-creates them). Returns the paths written, val first."""
     for name, value in (("shard_tokens", shard_tokens), ("workers", workers)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -92,6 +93,7 @@ def write_shards(documents: Iterable[str], out_dir: str, shard_tokens: int = 10*
         write_shard(path, shard)
         print(f"{path}: {len(shard):,} tokens")
         paths.append(path)
+    write_index(out_dir, made_by)
     return paths
 
 
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="tokenizer processes (1: tokenize in this process)")
     args = parser.parse_args(argv)
-    write_shards(stream_documents(), args.out_dir, args.shard_tokens, args.max_tokens, args.workers)
+    command = " ".join(["python -m data.fineweb", *(argv if argv is not None else sys.argv[1:])])
+    write_shards(stream_documents(), args.out_dir, args.shard_tokens, args.max_tokens, args.workers, command)
 
 
 if __name__ == "__main__":

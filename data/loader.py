@@ -4,18 +4,22 @@ All ranks walk the shards in lockstep. A shared base position advances by world_
 batch and rank r reads the B*T+1 tokens from base + r*B*T, so the ranks see disjoint data and together
 read exactly what one process with a world_size-times-larger batch would. A shard with fewer than
 world_size*B*T+1 tokens left is done; after the last shard the loader starts over from the first.
+
+Every shard is checked against the data's index when the loader starts (its size, header and length, and with
+vocab_size its largest token id; data/shards.py), and its tokens are read through once when it is first opened, so a
+damaged shard is refused with its name and the command that re-creates it, never fed to the model.
 """
 import os
 
 import numpy as np
 import torch
 
-from .shards import find_shards, load_shard
+from .shards import INDEX, ShardError, check_shard, check_tokens, find_shards, load_shard, read_index
 
 
 class TokenLoader:
     def __init__(self, data_dir: str, split: str, batch_size: int, block_size: int,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None):
         for name, value in (("batch_size", batch_size), ("block_size", block_size), ("world_size", world_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -34,7 +38,15 @@ class TokenLoader:
         self.tokens_per_step = world_size * batch_size * block_size  # how far the shared base moves per batch
         # +1: the target of a batch's last position is the token just after it
         need = self.tokens_per_step + 1
-        self.shard_sizes = [len(load_shard(path)) for path in self.shards]
+        self.index, self.vocab_size = read_index(data_dir), vocab_size
+        found = {os.path.basename(path) for path in self.shards}
+        missing = sorted(os.path.join(data_dir, name) for name in self.index["shards"]
+                         if name.startswith(f"{split}_") and name not in found)
+        if missing:
+            raise ShardError(f"{data_dir} lacks {', '.join(missing)}, which its {INDEX} lists; restore them or "
+                             f"re-create the data with `{self.index['made_by']}`")
+        self.shard_sizes = [check_shard(path, self.index, vocab_size) for path in self.shards]
+        self.read_through: set[int] = set()  # shards whose tokens check_tokens has read
         for path, size in zip(self.shards, self.shard_sizes):
             if size < need:
                 raise ValueError(
@@ -47,6 +59,9 @@ class TokenLoader:
     def _open(self, shard: int, position: int) -> None:
         self.shard, self.position = shard, position
         self.tokens = load_shard(self.shards[shard])
+        if shard not in self.read_through:
+            check_tokens(self.shards[shard], self.tokens, self.index, self.vocab_size)
+            self.read_through.add(shard)
 
     def _next_shard_if_exhausted(self) -> None:
         if len(self.tokens) - self.position < self.tokens_per_step + 1:

@@ -4,9 +4,10 @@
     python -m data.shakespeare --input input.txt     # offline: a local copy of the text
 """
 import argparse
+import sys
 import urllib.request
 
-from .shards import shard_path, write_shard
+from .shards import shard_path, write_index, write_shard
 from .tokenizer import encode
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -24,8 +25,9 @@ def download_text(url: str = URL) -> str:
         ) from err
 
 
-def prepare(text: str, out_dir: str) -> dict[str, int]:
-    """Tokenize text and write train_000000.npy and val_000000.npy; returns the token count of each."""
+def prepare(text: str, out_dir: str, made_by: str = "python -m data.shakespeare") -> dict[str, int]:
+    """Tokenize text and write train_000000.npy and val_000000.npy, then their index (made_by: the command that
+    re-creates them); returns the token count of each."""
     tokens = encode(text)
     n_train = int(len(tokens) * TRAIN_FRACTION)
     if n_train == 0:
@@ -35,6 +37,7 @@ def prepare(text: str, out_dir: str) -> dict[str, int]:
     for split, part in (("train", tokens[:n_train]), ("val", tokens[n_train:])):
         write_shard(shard_path(out_dir, split, 0), part)
         counts[split] = len(part)
+    write_index(out_dir, made_by)
     return counts
 
 
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> None:
             text = f.read()
     else:
         text = download_text()
-    counts = prepare(text, args.out_dir)
+    command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
+    counts = prepare(text, args.out_dir, command)
     print(f"train: {counts['train']:,} tokens, val: {counts['val']:,} tokens -> {args.out_dir}")
 
 

@@ -1,4 +1,5 @@
-"""What more than one test module uses: fresh random inputs, the float64 error criterion, shared checks and tools.
+"""What more than one test module uses: fresh random inputs, the float64 error criterion, shared checks and tools, and
+train.py runs (in this process as a command line would end, or in a subprocess on the CPU; a NaN injected into a loss).
 
 Test modules import it as `from helpers import ...` (pytest's default import mode puts tests/ on sys.path, whether
 it runs from the repository root or from tests/); no test module imports another. Kernel modules (triton_*) are
@@ -11,19 +12,27 @@ reference) is off by, plus 1e-5. The error is the largest absolute one: a bug co
 the diagonal, a ragged edge) shows up in a few elements, which a norm over the tensor would dilute.
 """
 import itertools
-from collections.abc import Callable
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attention import attention, attention_qkvpacked, get_backend, register_backend
+from data.shards import shard_path, write_index, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 
-# the keys of every train record in metrics.jsonl (train.py and examples/train_llama.py write the same format)
+# the keys of every train record in metrics.jsonl (train.py and examples/train_llama.py write the same format);
+# train.py's records add whether the step was skipped for a non-finite loss or gradient norm, and how many were so far
 TRAIN_KEYS = {"step", "train_loss", "lr", "grad_norm", "step_ms", "tokens_per_s", "mfu", "peak_mem_gb", "attn",
               "warmup"}
+TRAIN_PY_KEYS = TRAIN_KEYS | {"skipped", "skipped_steps"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -72,10 +81,11 @@ def packed_document_ids(B: int, T: int, lengths_per_row: list[list[int]]) -> tor
 
 
 def token_shards(folder: Path, vocab: int, sizes: dict[str, int], phrase: int | None = None, noise: float = 0.0,
-                 seed: int = 0) -> Path:
-    """Token shards in the data package's format in folder (split -> number of tokens): a repeating random phrase
-    of `phrase` tokens with a `noise` fraction of random tokens (learnable within a few steps), or with phrase None
-    uniform random tokens. -> folder."""
+                 seed: int = 0, shards: int = 1) -> Path:
+    """Token shards in the data package's format in folder (split -> number of tokens), and their index.json, as
+    the preparation scripts write them: a repeating random phrase of `phrase` tokens with a `noise` fraction of
+    random tokens (learnable within a few steps), or with phrase None uniform random tokens. shards: how many files
+    each split's tokens are cut into (equal parts). -> folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -87,7 +97,9 @@ def token_shards(folder: Path, vocab: int, sizes: dict[str, int], phrase: int | 
             tokens = np.resize(repeated, n_tokens)
             mixed = rng.random(n_tokens) < noise
             tokens[mixed] = rng.integers(0, vocab, mixed.sum())
-        np.save(folder / f"{split}_000000.npy", tokens.astype(np.uint16))
+        for i, part in enumerate(np.array_split(tokens.astype(np.uint16), shards)):
+            write_shard(shard_path(str(folder), split, i), part)
+    write_index(str(folder), "tests/helpers.py token_shards")
     return folder
 
 
@@ -243,3 +255,69 @@ def markdown_section(md: str, heading: str) -> tuple[list[str], list[list[str]]]
     table = [[c.strip() for c in line.strip("|").split("|")]
              for line in itertools.takewhile(lambda line: line.startswith("|"), lines)]
     return table[0], table[2:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# train.py runs
+
+
+def cli_flags(**settings) -> list[str]:
+    return [f"--{k}={v}" for k, v in settings.items()]
+
+
+def cpu_env(**changes) -> dict[str, str]:
+    """This process's environment for a train.py subprocess on the CPU (CUDA_VISIBLE_DEVICES="": the CPU path even
+    on a GPU machine), unbuffered so that a reader sees lines as they are printed; changes: None removes a name."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **changes}
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def run_cli(*args, timeout=120, env=None, **popen_kwargs) -> subprocess.CompletedProcess:
+    """python *args in the repository on the CPU; text output captured."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env or cpu_env(), capture_output=True, text=True,
+                          timeout=timeout, **popen_kwargs)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """train.main(argv) in this process, as `python train.py *argv` would end: -> (exit status, stdout, stderr).
+    sys.exit's message goes to stderr as Python prints it; any other exception becomes exit status 1 and its
+    traceback in stderr, as an uncaught one would."""
+    import train
+
+    capsys.readouterr()  # what came before is not this run's
+    try:
+        train.main(argv)
+        status, message = 0, ""
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        message = "" if isinstance(stop.code, int) or stop.code is None else f"{stop.code}\n"
+    except Exception:
+        status, message = 1, traceback.format_exc()
+    out, err = capsys.readouterr()
+    return status, out, err + message
+
+
+def read_metrics(out_dir) -> tuple[list[dict], list[dict]]:
+    """metrics.jsonl's (train records, val records)."""
+    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
+    return [r for r in records if "train_loss" in r], [r for r in records if "val_loss" in r]
+
+
+def nan_loss_forward(forward: Callable, calls: Collection[int], keep_grad: bool = False) -> Callable:
+    """GPT.forward, except that the training calls (model.training, with targets) numbered in calls (0, 1, ... in this
+    process; with one micro-batch per step, the steps since the run started or resumed) return a NaN loss. keep_grad:
+    the loss's value alone is NaN, its gradient is the true one (the gradient norm stays finite), else the gradients
+    are NaN too. Use: monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {2}))."""
+    seen = 0
+
+    def poisoned(self, idx, targets=None, *args, **kwargs):
+        nonlocal seen
+        logits, loss = forward(self, idx, targets, *args, **kwargs)
+        if self.training and targets is not None:
+            if seen in calls:
+                nan = torch.full_like(loss, float("nan"))
+                loss = nan + (loss - loss.detach()) if keep_grad else loss * nan
+            seen += 1
+        return logits, loss
+
+    return poisoned

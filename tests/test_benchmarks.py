@@ -296,6 +296,24 @@ def test_report_keeps_the_order_runs_were_made_in_and_their_flags(tmp_path):
                                          ["moba", "--attn=triton"]]
 
 
+def test_comparison_leaves_skipped_steps_out_of_the_curves_and_counts_them(tmp_path):
+    write_run(tmp_path / "sdpa", [5.0, 4.0, 3.0, 2.5], [100, 100, 100, 100])
+    write_run(tmp_path / "triton", [5.0, 4.0, 3.0, 2.5], [100, 100, 100, 100])
+    # train.py's records: step 1 skipped for a NaN loss, written as null, and counted from there on
+    metrics = tmp_path / "triton" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in records:
+        r.update(skipped=r["step"] == 1, skipped_steps=int(r["step"] >= 1))
+    records[1].update(train_loss=None, grad_norm=None)
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = compare_report.write_report(tmp_path, reference="sdpa", skip_steps=0)
+    b = summary["backends"]
+    assert b["triton"]["skipped_steps"] == 1 and b["sdpa"]["skipped_steps"] is None
+    assert b["triton"]["max_abs_train_diff"] == 0.0 and b["triton"]["last_step"] == 3
+    header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per run")
+    assert dict(zip(header, next(row for row in rows if row[0] == "triton")))["skipped steps"] == "1"
+
+
 @pytest.mark.parametrize("text, settings", [
     ("window:attn=triton,window=256", ("window", {"attn": "triton", "window": "256"})),
     ("dense:", ("dense", {})),

@@ -3,6 +3,7 @@ the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR offline, and FineWeb documents are a
 import itertools
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -14,7 +15,8 @@ import torch
 
 from data import fineweb, shakespeare
 from data.loader import TokenLoader
-from data.shards import find_shards, shard_path, write_shard
+from data.shards import (INDEX, ShardError, check_shard, check_tokens, find_shards, load_shard, read_index, shard_path,
+                         write_index, write_shard)
 from data.tokenizer import EOT_TOKEN, encode, get_encoding, to_uint16
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. — café ✓\n"
@@ -102,6 +104,12 @@ def test_shakespeare_splits_90_10_and_decodes_back(enc, tmp_path, capsys):
     assert train.dtype == val.dtype == np.uint16
     assert enc.decode(np.concatenate([train, val]).tolist()) == TEXT * 5
     assert f"train: {len(train):,} tokens, val: {len(val):,} tokens" in capsys.readouterr().out
+    # the index, written last, records each shard and the command that re-creates them
+    assert read_index(str(out_dir)) == {
+        "made_by": f"python -m data.shakespeare --input {text_file} --out_dir {out_dir}",
+        "shards": {f"{split}_000000.npy": {"tokens": len(tokens), "bytes": (out_dir / f"{split}_000000.npy").stat().st_size,
+                                           "max_token": int(tokens.max())} for split, tokens in (("train", train), ("val", val))}}
+    assert sorted(os.listdir(out_dir)) == [INDEX, "train_000000.npy", "val_000000.npy"]  # no temporary file left
 
 
 def test_shakespeare_download_failure_says_pass_input(monkeypatch):
@@ -159,7 +167,11 @@ def test_fineweb_workers_keep_document_order(enc, tmp_path, capsys):
 
 
 def test_fineweb_shards_feed_the_loader(enc, tmp_path, capsys):
-    fineweb.write_shards(DOCUMENTS, str(tmp_path), shard_tokens=64)
+    paths = fineweb.write_shards(DOCUMENTS, str(tmp_path), shard_tokens=64, made_by="python -m data.fineweb --x=1")
+    index = read_index(str(tmp_path))
+    assert index["made_by"] == "python -m data.fineweb --x=1"
+    assert sorted(index["shards"]) == sorted(os.path.basename(p) for p in paths)
+    assert [check_shard(p, index, vocab_size=50257) for p in paths] == [len(np.load(p)) for p in paths]
     x, y = TokenLoader(str(tmp_path), "val", batch_size=3, block_size=8).next_batch()
     assert torch.equal(x.flatten(), torch.from_numpy(expected_stream(DOCUMENTS)[:24].astype(np.int64)))
 
@@ -189,9 +201,11 @@ def test_fineweb_without_datasets_says_pip_install(monkeypatch):
 # --- TokenLoader ---------------------------------------------------------------------------------------
 
 def make_shards(folder, sizes, split="train"):
-    """Shard i holds the token ids i*1000, i*1000+1, ...: every token says where it came from."""
+    """Shard i holds the token ids i*1000, i*1000+1, ...: every token says where it came from. Then the index, as a
+    preparation script ends."""
     for i, size in enumerate(sizes):
         write_shard(shard_path(str(folder), split, i), np.arange(i * 1000, i * 1000 + size, dtype=np.uint16))
+    write_index(str(folder), "make_shards")
     return str(folder)
 
 
@@ -270,8 +284,10 @@ def test_loader_error_for_missing_data_dir(tmp_path):
 
 
 def test_loader_error_for_a_shard_that_is_not_uint16(tmp_path):
-    np.save(tmp_path / "train_000000.npy", np.arange(100, dtype=np.int32))
-    with pytest.raises(ValueError, match="not 1-D uint16"):
+    make_shards(tmp_path, [100])
+    np.save(tmp_path / "train_000000.npy", np.arange(50, dtype=np.int32))  # the same number of bytes
+    with pytest.raises(ShardError, match="int32 array of shape \\(50,\\), not 1-D uint16 tokens; re-create it with "
+                                         "`make_shards`"):
         TokenLoader(str(tmp_path), "train", 2, 4)
 
 
@@ -285,3 +301,148 @@ def test_load_state_dict_errors(tmp_path, state, match):
     loader = TokenLoader(make_shards(tmp_path, [100, 40]), "train", 2, 4)
     with pytest.raises(ValueError, match=match):
         loader.load_state_dict(state)
+
+
+# --- the index and the shard checks ------------------------------------------------------------------------------
+
+MADE_BY = "python -m data.prep --out_dir d"
+
+
+def prepared(folder, vocab: int = 64) -> tuple[str, str]:
+    """train_000000.npy, train_000001.npy (100 tokens each, ids 0..vocab-1) and val_000000.npy, then the index.
+    -> (data_dir, the path of train_000000.npy)."""
+    folder = str(folder)
+    for split, i in (("train", 0), ("train", 1), ("val", 0)):
+        write_shard(shard_path(folder, split, i), (np.arange(100) % vocab).astype(np.uint16))
+    write_index(folder, MADE_BY)
+    return folder, shard_path(folder, "train", 0)
+
+
+def test_index_records_size_length_and_largest_token_of_every_shard(tmp_path):
+    data_dir, path = prepared(tmp_path)
+    index = read_index(data_dir)
+    assert index["made_by"] == MADE_BY
+    entry = {"tokens": 100, "bytes": os.path.getsize(path), "max_token": 63}
+    assert index["shards"] == {name: entry for name in ("train_000000.npy", "train_000001.npy", "val_000000.npy")}
+    assert check_shard(path, index, vocab_size=64) == 100
+    check_tokens(path, load_shard(path), index, vocab_size=64)  # nothing to say
+
+
+def rewrite_header(path, old: bytes, new: bytes) -> None:
+    with open(path, "r+b") as f:
+        data = f.read()
+        assert len(old) == len(new) and old in data[:128]
+        f.seek(0)
+        f.write(data.replace(old, new, 1))
+
+
+def truncate(path, size: int) -> None:
+    os.truncate(path, size)
+
+
+def zero_start(path) -> None:
+    with open(path, "r+b") as f:
+        f.write(bytes(16))
+
+
+SHARD_DAMAGES = {  # name: (damage(path), what the refusal says)
+    "truncated": (lambda p: truncate(p, 318), r"holds 318 bytes, its index says 328: truncated or damaged"),
+    "emptied": (lambda p: truncate(p, 0), r"holds 0 bytes, its index says 328"),
+    "zeroed_header": (zero_start, r"is not a readable token shard \(ValueError: no \.npy header\)"),
+    "garbled_header": (lambda p: rewrite_header(p, b"{'descr'", b"{'de#~,'"), r"is not a readable token shard \("),
+    "shorter_header": (lambda p: rewrite_header(p, b"(100,)", b"(99,) "), r"holds 99 tokens, its index says 100"),
+    "longer_header": (lambda p: rewrite_header(p, b"(100,)", b"(900,)"), r"is not a readable token shard \("),
+    # numpy retries a header that does not parse through Python's tokenizer, which fails on an unclosed bracket
+    "unclosed_header": (lambda p: rewrite_header(p, b"(100,)", b"(100,("), r"is not a readable token shard \("),
+    "foreign_int32": (lambda p: np.save(p, np.arange(50, dtype=np.int32)),  # the same number of bytes
+                      r"holds a int32 array of shape \(50,\), not 1-D uint16"),
+}
+
+
+@pytest.mark.parametrize("damage", SHARD_DAMAGES)
+def test_check_shard_refuses_a_damaged_shard_naming_it_and_the_command(tmp_path, damage):
+    data_dir, path = prepared(tmp_path)
+    damage, match = SHARD_DAMAGES[damage]
+    damage(path)
+    with pytest.raises(ShardError, match=match) as err:
+        check_shard(path, read_index(data_dir), vocab_size=64)
+    assert str(err.value).startswith(path) and f"re-create it with `{MADE_BY}`" in str(err.value)
+    with pytest.raises(ShardError, match=match):  # the loader checks every shard when it starts
+        TokenLoader(data_dir, "train", 2, 4, vocab_size=64)
+
+
+def test_check_shard_refuses_a_shard_the_index_does_not_know(tmp_path):
+    data_dir, _ = prepared(tmp_path)
+    extra = shard_path(data_dir, "train", 2)
+    write_shard(extra, np.arange(100, dtype=np.uint16))  # after the index was written
+    with pytest.raises(ShardError, match=rf"{extra} is not in {INDEX} \(left from another preparation\?\); delete it"):
+        check_shard(extra, read_index(data_dir))
+    with pytest.raises(ShardError, match="is not in"):
+        TokenLoader(data_dir, "train", 2, 4)
+
+
+def test_loader_refuses_a_data_dir_missing_a_shard_its_index_lists(tmp_path):
+    # an interrupted copy of the data, a deleted file: the index says what the preparation wrote, and a loader that
+    # reads it must not train on part of the data without a word (nor send a resume to "the data_dir the run started
+    # with" when that is the one it has)
+    data_dir, _ = prepared(tmp_path)
+    missing = shard_path(data_dir, "train", 1)
+    os.unlink(missing)
+    with pytest.raises(ShardError, match=re.escape(missing)):
+        TokenLoader(data_dir, "train", 2, 4)
+
+
+def test_check_shard_refuses_token_ids_past_the_models_vocabulary(tmp_path):
+    data_dir, path = prepared(tmp_path)
+    with pytest.raises(ShardError, match=r"train_000000.npy holds token id 63, and the model's vocabulary has 50: "
+                                         r"shards of another tokenizer\? Re-create it with"):
+        check_shard(path, read_index(data_dir), vocab_size=50)
+    with pytest.raises(ShardError, match="the model's vocabulary has 50"):
+        TokenLoader(data_dir, "train", 2, 4, vocab_size=50)
+    assert TokenLoader(data_dir, "train", 2, 4).shard_sizes == [100, 100]  # no vocab_size: not checked
+
+
+def test_check_tokens_finds_a_shard_overwritten_after_its_preparation(tmp_path):
+    # same size, same header, the index's largest id: only reading the tokens shows it
+    data_dir, _ = prepared(tmp_path, vocab=1000)
+    later = shard_path(data_dir, "train", 1)
+    tokens = np.arange(100, dtype=np.uint16)
+    tokens[57] = 700
+    write_shard(later, tokens)
+    index = read_index(data_dir)
+    assert check_shard(later, index, vocab_size=1000) == 100
+    with pytest.raises(ShardError, match=r"train_000001.npy holds token id 700 \(its index says at most 99, the "
+                                         r"model's vocabulary has 1000\): damaged after its preparation; re-create"):
+        check_tokens(later, load_shard(later), index, vocab_size=1000)
+    # the loader reads a shard through when it first opens it: here the second, when the first is used up
+    loader = TokenLoader(data_dir, "train", 2, 4, vocab_size=1000)
+    with pytest.raises(ShardError, match="train_000001.npy holds token id 700"):
+        for _ in range(20):
+            loader.next_batch()
+    # and at once when a state points into it
+    with pytest.raises(ShardError, match="train_000001.npy holds token id 700"):
+        TokenLoader(data_dir, "train", 2, 4).load_state_dict({"split": "train", "shard": 1, "position": 0})
+
+
+def test_loader_refuses_a_data_dir_without_an_index(tmp_path):
+    make_shards(tmp_path, [100])
+    os.unlink(tmp_path / INDEX)  # shards of an unfinished preparation, or of an older version
+    with pytest.raises(ShardError, match=rf"{tmp_path} has no {INDEX}, which the preparation script writes when it "
+                                         r"finishes; prepare the data \(again\): python -m data.shakespeare"):
+        TokenLoader(str(tmp_path), "train", 2, 4)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"made_by": "x"}', '{"made_by": "x", "shards": []}', "\xff"])
+def test_loader_refuses_a_damaged_index(tmp_path, text):
+    make_shards(tmp_path, [100])
+    (tmp_path / INDEX).write_bytes(text.encode("latin-1"))
+    with pytest.raises(ShardError, match=rf"{INDEX} is damaged .*; prepare the data again"):
+        TokenLoader(str(tmp_path), "train", 2, 4)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, not a shard", b"\x93NUMPY\x01\x00v\x00{'descr': '<u2'"])
+def test_load_shard_refuses_files_that_are_not_npy(tmp_path, content):
+    path = tmp_path / "train_000000.npy"
+    path.write_bytes(content)
+    with pytest.raises(ShardError, match=rf"{path} is not a readable token shard .*; how to fix"):
+        load_shard(str(path), "how to fix")

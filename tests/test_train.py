@@ -1,25 +1,31 @@
-"""train.py on the CPU with a tiny model: learning, exact resume, DDP, checkpoints, signals, bad input.
+"""train.py on the CPU with a tiny model: learning, exact resume, DDP, checkpoints, signals, bad input, non-finite
+steps, the wrong machine.
 
-Most runs call train() in-process (a few hundred ms each); the CLI, torchrun and SIGTERM tests start
-real processes because the process boundary is what they test.
+Most runs call train() or main() in-process (a few hundred ms each); the CLI, torchrun, SIGTERM and missing-interpreter
+tests start real processes because the process boundary (or the environment a process starts with) is what they test.
+test_faults.py kills runs with SIGKILL and damages their checkpoints and data; test_checkpoint.py tests the checkpoint
+files themselves.
 """
 import json
-import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, TRAIN_KEYS, token_shards
+from helpers import (ROOT, TRAIN_PY_KEYS, cli_flags, cpu_env, nan_loss_forward, read_metrics, run_cli, run_main,
+                     token_shards)
 
 import train
 from model import GPT, GPTConfig
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import CheckpointError, Checkpoints, read_checkpoint
 from training.config import ConfigError, TrainConfig, parse_args
 from training.logger import RunLogger, peak_flops
 
@@ -43,24 +49,8 @@ def tiny_config(out_dir, data_dir, **overrides) -> TrainConfig:
     return TrainConfig(**{**TINY, "out_dir": str(out_dir), "data_dir": data_dir, **overrides})
 
 
-def read_metrics(out_dir) -> tuple[list[dict], list[dict]]:
-    records = [json.loads(line) for line in open(Path(out_dir) / "metrics.jsonl")]
-    return [r for r in records if "train_loss" in r], [r for r in records if "val_loss" in r]
-
-
 def without_timing(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("step_ms", "tokens_per_s", "warmup")} for r in records]
-
-
-def run_cli(*args, timeout=120, **popen_kwargs):
-    # CUDA_VISIBLE_DEVICES="": the subprocess must take the CPU path even on a GPU machine
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, **popen_kwargs)
-
-
-def cli_flags(**settings) -> list[str]:
-    return [f"--{k}={v}" for k, v in settings.items()]
 
 
 def test_resumed_metrics_keep_one_curve(tmp_path):
@@ -72,6 +62,37 @@ def test_resumed_metrics_keep_one_curve(tmp_path):
     logger.close()
     kept = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert kept == lines[:3] + [{"step": 3, "val_loss": 0.25, "attn": "sdpa"}]
+
+
+def test_wandb_gets_the_skip_count_not_the_non_finite_values(tmp_path):
+    logger = RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False), 0, None)
+    logged = []
+    logger.wandb_run = SimpleNamespace(log=lambda data, step: logged.append((step, data)), finish=lambda: None)
+    base = {"lr": 1e-3, "step_ms": 10.0, "tokens_per_s": 100.0, "mfu": None, "peak_mem_gb": None, "attn": "sdpa",
+            "warmup": False}
+    logger.log_train({**base, "step": 7, "train_loss": 2.5, "grad_norm": 0.5, "skipped": False, "skipped_steps": 0})
+    # a skipped step as train.py records it: its non-finite loss and norm as null
+    logger.log_train({**base, "step": 8, "train_loss": None, "grad_norm": None, "skipped": True, "skipped_steps": 1})
+    logger.close()
+    assert logged[0] == (7, {"train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 0.5, "train/skipped_steps": 0,
+                             "perf/step_ms": 10.0, "perf/tokens_per_s": 100.0})
+    assert logged[1][0] == 8 and logged[1][1]["train/skipped_steps"] == 1
+    assert "train/loss" not in logged[1][1] and "train/grad_norm" not in logged[1][1]
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert records[1]["skipped"] is True and records[1]["train_loss"] is None
+
+
+@pytest.mark.parametrize("tf32, precision", [(True, "high"), (False, "highest")])
+def test_tf32_sets_cudas_float32_matmul_precision(tf32, precision):
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        train.set_tf32(parse_args([f"--tf32={tf32}"]), torch.device("cuda"))
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (precision, tf32)
+        train.set_tf32(parse_args([f"--tf32={not tf32}"]), torch.device("cpu"))  # no CUDA: nothing changes
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (precision, tf32)
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
 
 
 def test_a_few_steps_lower_the_loss(tmp_path, data_dir):
@@ -87,7 +108,7 @@ def test_a_few_steps_lower_the_loss(tmp_path, data_dir):
 def test_metrics_jsonl_has_the_documented_keys(tmp_path, data_dir):
     train.train(tiny_config(tmp_path, data_dir, max_steps=5, eval_interval=2, log_interval=2, attn="naive"))
     records, vals = read_metrics(tmp_path)
-    assert all(set(r) == TRAIN_KEYS for r in records) and all(set(v) == VAL_KEYS for v in vals)
+    assert all(set(r) == TRAIN_PY_KEYS for r in records) and all(set(v) == VAL_KEYS for v in vals)
     assert [r["step"] for r in records] == [0, 2, 4]  # every log_interval steps, and the last
     assert [v["step"] for v in vals] == [0, 2, 4, 5]  # every eval_interval steps, and after the last
     assert [r["warmup"] for r in records] == [True, True, False]
@@ -102,13 +123,13 @@ def test_resume_gives_bit_identical_losses(tmp_path, data_dir):
     settings = dict(dropout=0.1, total_batch_size=2 * 4 * 16, eval_interval=3, lr_decay_steps=8)
     train.train(tiny_config(tmp_path / "straight", data_dir, max_steps=8, **settings))
     train.train(tiny_config(tmp_path / "split", data_dir, max_steps=4, **settings))
-    assert load_checkpoint(tmp_path / "split" / "ckpt.pt")["step"] == 4
+    assert read_checkpoint(tmp_path / "split" / "ckpt.pt")["step"] == 4
     train.train(tiny_config(tmp_path / "split", data_dir, max_steps=8, resume=True, **settings))
 
     straight, split = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
     assert without_timing(split[0]) == without_timing(straight[0])  # train records: exact float equality
     assert split[1] == straight[1] and [v["step"] for v in split[1]] == [0, 3, 6, 8]
-    weights = [load_checkpoint(tmp_path / run / "ckpt.pt")["model"] for run in ("straight", "split")]
+    weights = [read_checkpoint(tmp_path / run / "ckpt.pt")["model"] for run in ("straight", "split")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
@@ -131,13 +152,13 @@ def test_init_from_a_weights_file_starts_from_those_weights(tmp_path, data_dir):
 
     train.train(tiny_config(tmp_path / "run", data_dir, init_from=str(tmp_path / "w.pt"), max_steps=2))
     assert read_metrics(tmp_path / "run")[0][0]["train_loss"] == pytest.approx(first_loss.item(), rel=1e-6)
-    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["model_config"]["n_layer"] == 1  # not TINY's 2
+    assert read_checkpoint(tmp_path / "run" / "ckpt.pt")["model_config"]["n_layer"] == 1  # not TINY's 2
 
 
 def test_window_run_records_its_window_and_resumes_only_with_it(tmp_path, data_dir, capsys):
     train.train(tiny_config(tmp_path / "window", data_dir, max_steps=2, window=4))
     assert "attn=sdpa, window=4, cpu" in capsys.readouterr().out
-    checkpoint = load_checkpoint(tmp_path / "window" / "ckpt.pt")
+    checkpoint = read_checkpoint(tmp_path / "window" / "ckpt.pt")
     assert checkpoint["model_config"]["window"] == 4 and checkpoint["train_config"]["window"] == 4
     train.train(tiny_config(tmp_path / "dense", data_dir, max_steps=2))
     losses = {run: [r["train_loss"] for r in read_metrics(tmp_path / run)[0]] for run in ("window", "dense")}
@@ -157,7 +178,7 @@ def test_moba_run_trains_through_the_triton_kernel_and_resumes_only_as_moba(tmp_
     train.train(tiny_config(tmp_path / "dense", data_dir, **settings))
     moba, dense = ([r["train_loss"] for r in read_metrics(tmp_path / run)[0]] for run in ("moba", "dense"))
     assert np.isfinite(moba).all() and moba != dense
-    config = load_checkpoint(tmp_path / "moba" / "ckpt.pt")["model_config"]
+    config = read_checkpoint(tmp_path / "moba" / "ckpt.pt")["model_config"]
     assert (config["attn"], config["attn_options"]) == ("moba", {"moba_block": 32, "moba_topk": 0})
 
     # a checkpoint is resumed as the function it trained: not MoBA as dense attention, nor the other way round,
@@ -198,21 +219,37 @@ def test_build_model_compares_what_the_checkpoint_and_the_run_compute(tmp_path):
         train.build_model(tiny_config(tmp_path, "unused", attn="moba", moba_block=32), window)
 
 
-def test_two_process_ddp_matches_one_process(tmp_path, data_dir):
+def test_two_process_ddp_matches_one_process_and_its_ranks_skip_together(tmp_path, data_dir):
     # same global batch: 2 ranks x 2 micro-steps x 1 sequence here (so no_sync is exercised), 1 process
-    # x 4 sequences below
-    settings = {**TINY, "max_steps": 4, "eval_interval": 2, "data_dir": data_dir, "out_dir": tmp_path / "ddp"}
-    result = run_cli("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+    # x 4 sequences below. Rank 1 alone gets a NaN loss in step 2 (its 5th training forward; the gradients stay
+    # finite, so only the flag the ranks share tells rank 0): both must skip the step, as the single process below
+    # does; a rank that stepped while the other skipped would train another model, and the losses would part
+    script = tmp_path / "nan_on_rank_1.py"
+    script.write_text(f"import os, sys\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
+                      "from helpers import nan_loss_forward\nimport train\nfrom model import GPT\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    GPT.forward = nan_loss_forward(GPT.forward, {4}, keep_grad=True)\n"
+                      "train.main(sys.argv[1:])\n")
+    settings = {**TINY, "max_steps": 5, "eval_interval": 2, "data_dir": data_dir, "out_dir": tmp_path / "ddp"}
+    result = run_cli("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
                      *cli_flags(**{**settings, "batch_size": 1, "total_batch_size": 4 * 16}))
     assert result.returncode == 0, result.stderr[-3000:]
     # val: 2 batches x 1 sequence x 2 ranks there, the same 4 sequences as 1 batch here
-    train.train(tiny_config(tmp_path / "single", data_dir, max_steps=4, eval_interval=2, eval_iters=1))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {2}, keep_grad=True))
+        train.train(tiny_config(tmp_path / "single", data_dir, max_steps=5, eval_interval=2, eval_iters=1))
     (ddp, ddp_val), (single, single_val) = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "single")
-    assert [r["step"] for r in ddp] == [0, 1, 2, 3]
+    assert [(r["step"], r["skipped"], r["skipped_steps"]) for r in ddp] == [
+        (0, False, 0), (1, False, 0), (2, True, 1), (3, False, 1), (4, False, 1)]
+    assert [r["skipped"] for r in single] == [r["skipped"] for r in ddp]
     assert ddp[0]["tokens_per_s"] == pytest.approx(4 * 16 / (ddp[0]["step_ms"] / 1000))  # global tokens
-    np.testing.assert_allclose([r["train_loss"] for r in ddp], [r["train_loss"] for r in single], rtol=1e-5)
+    updated = [r["step"] for r in ddp if not r["skipped"]]
+    np.testing.assert_allclose([ddp[s]["train_loss"] for s in updated], [single[s]["train_loss"] for s in updated],
+                               rtol=1e-5)
     np.testing.assert_allclose([v["val_loss"] for v in ddp_val], [v["val_loss"] for v in single_val], rtol=1e-5)
-    assert len(load_checkpoint(tmp_path / "ddp" / "ckpt.pt")["rng"]) == 2  # one RNG state per rank
+    checkpoint = read_checkpoint(tmp_path / "ddp" / "ckpt.pt")
+    assert len(checkpoint["rng"]) == 2  # one RNG state per rank
+    assert checkpoint["skipped_steps"] == 1 and all(torch.isfinite(w).all() for w in checkpoint["model"].values())
 
 
 def test_wandb_logs_offline_without_an_api_key(tmp_path, data_dir, monkeypatch):
@@ -220,7 +257,7 @@ def test_wandb_logs_offline_without_an_api_key(tmp_path, data_dir, monkeypatch):
     for name in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(name, raising=False)
     train.train(tiny_config(tmp_path / "run", data_dir, max_steps=2, eval_interval=1, wandb=True))
-    run_id = load_checkpoint(tmp_path / "run" / "ckpt.pt")["wandb_run_id"]
+    run_id = read_checkpoint(tmp_path / "run" / "ckpt.pt")["wandb_run_id"]
     offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and offline_runs[0].name.endswith(run_id)  # kept so --resume continues it
 
@@ -288,27 +325,9 @@ def test_mfu_peak_is_looked_up_by_gpu_name(monkeypatch, gpu_name, peak):
     assert peak_flops(torch.device("cpu")) is None
 
 
-def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    path = str(tmp_path / "ckpt.pt")
-    save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
-
-    def save_half_then_fail(obj, f):
-        f.write(b"half a checkpoint")
-        raise OSError("No space left on device")
-
-    monkeypatch.setattr(torch, "save", save_half_then_fail)
-    with pytest.raises(OSError, match="No space"):
-        save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
-    monkeypatch.undo()
-    state = load_checkpoint(path)
-    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(3))
-    assert os.listdir(tmp_path) == ["ckpt.pt"]  # the temporary file is gone too
-
-
 def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path})
-    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=cpu_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 90
@@ -319,7 +338,7 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
     assert "stopped by SIGTERM" in stdout
-    checkpoint = load_checkpoint(tmp_path / "ckpt.pt")
+    checkpoint = read_checkpoint(tmp_path / "ckpt.pt")
     last_logged = read_metrics(tmp_path)[0][-1]["step"]
     assert checkpoint["step"] == last_logged + 1  # saved after the step it was in, not mid-step
     assert not list(tmp_path.glob("*.tmp"))  # no half-written temporary file left behind
@@ -388,6 +407,9 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["--warmup_steps=50", "--max_steps=10"], "warmup_steps=50 is past the end of the decay"),
     (["--min_lr=1e-2", "--learning_rate=1e-3"], "need 0 <= min_lr <= learning_rate"),
     (["--beta2=1.5"], "beta2 must be in [0, 1)"),
+    (["--nonfinite=ignore"], "unknown nonfinite='ignore'; choose one of: skip, stop, off"),
+    (["--max_skipped_steps=0"], "max_skipped_steps must be at least 1, got 0"),
+    (["--tf32=maybe"], "--tf32 takes true/false/1/0"),
     (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),
     (["batch_size=8"], "'batch_size=8' is neither a config file nor a flag; flags are written --key=value"),
 ])
@@ -421,19 +443,294 @@ def test_batch_that_does_not_split_over_ranks_is_an_error():
         cfg.grad_accum_steps(4)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(resume=True), "no checkpoint at"),
-    (dict(data_dir="/no/such/folder"), "data_dir '/no/such/folder' does not exist"),
-    (dict(block_size=16, batch_size=2000), "fewer than one batch needs"),
-    (dict(sample_interval=5, sample_prompt="a long prompt"), "holds token ids >= vocab_size=64"),
+@pytest.mark.parametrize("overrides, error, message", [
+    (dict(resume=True), CheckpointError, "no checkpoint at .*ckpt.pt; drop --resume to start a new run"),
+    (dict(data_dir="/no/such/folder"), ConfigError, "data_dir '/no/such/folder' does not exist"),
+    (dict(data_dir="unindexed"), ConfigError, "has no index.json, which the preparation script writes"),
+    (dict(vocab_size=50), ConfigError, r"train_000000.npy holds token id 63, and the model's vocabulary has 50"),
+    (dict(block_size=16, batch_size=2000), ConfigError, "fewer than one batch needs"),
+    (dict(sample_interval=5, sample_prompt="a long prompt"), ConfigError, "holds token ids >= vocab_size=64"),
 ])
-def test_bad_runs_fail_before_training(tmp_path, data_dir, overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        train.train(tiny_config(tmp_path, **{"data_dir": data_dir, **overrides}))
+def test_bad_runs_fail_before_training(tmp_path, data_dir, overrides, error, message):
+    if overrides.get("data_dir") == "unindexed":  # shards as an older version, or an unfinished preparation, left them
+        overrides["data_dir"] = str(tmp_path / "data")
+        shutil.copytree(data_dir, overrides["data_dir"], ignore=shutil.ignore_patterns("index.json"))
+    with pytest.raises(error, match=message):
+        train.train(tiny_config(tmp_path / "run", **{"data_dir": data_dir, **overrides}))
+    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 def test_cli_prints_the_error_without_a_traceback():
     result = run_cli("train.py", "--attn=flashy", "--device=cpu", timeout=60)
     assert result.returncode != 0
-    assert "train.py: error: " in result.stderr and "unknown attention backend 'flashy'" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "train.py: error: attn: unknown attention backend 'flashy'; choose one of: compile, moba, naive, sdpa, triton"]
+    assert "Traceback" not in result.stdout
+
+
+# --- non-finite steps ----------------------------------------------------------------------------------------------
+
+def main_argv(out_dir, data_dir, **overrides) -> list[str]:
+    """train.py's command line for tiny_config's settings."""
+    return cli_flags(**{**TINY, "out_dir": out_dir, "data_dir": data_dir, **overrides})
+
+
+def kept_checkpoints(monkeypatch) -> list[dict]:
+    """What every Checkpoints.save of the run wrote, copied when it was saved: step, weights, Adam's step count for
+    the first parameter, skipped_steps."""
+    saved, save = [], Checkpoints.save
+
+    def keep(self, state):
+        saved.append({"step": state["step"], "skipped_steps": state["skipped_steps"],
+                      "model": {k: v.clone() for k, v in state["model"].items()},
+                      "adam_steps": state["optimizer"]["state"][0]["step"].item()})
+        save(self, state)
+
+    monkeypatch.setattr(Checkpoints, "save", keep)
+    return saved
+
+
+def assert_finite_checkpoint(path) -> dict:
+    state = read_checkpoint(str(path))
+    assert all(torch.isfinite(w).all() for w in state["model"].values()), f"{path} holds non-finite weights"
+    return state
+
+
+def test_a_nan_step_is_skipped_logged_and_changes_nothing(tmp_path, data_dir, monkeypatch, capsys):
+    saved = kept_checkpoints(monkeypatch)
+    monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {2}))
+    status, out, err = run_main(main_argv(tmp_path, data_dir, max_steps=5, checkpoint_interval=1, log_interval=3),
+                                capsys)
+    assert status == 0, err
+    records = read_metrics(tmp_path)[0]
+    assert all(set(r) == TRAIN_PY_KEYS for r in records)
+    # every log_interval steps and the last, and a skipped step whenever it happens
+    assert [(r["step"], r["skipped"], r["skipped_steps"]) for r in records] == [
+        (0, False, 0), (2, True, 1), (3, False, 1), (4, False, 1)]
+    # the skipped step's NaN loss and norm are written as null: metrics.jsonl stays strict JSON
+    assert records[1]["train_loss"] is None and records[1]["grad_norm"] is None
+    assert all(np.isfinite(r["train_loss"]) for r in records if not r["skipped"])
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
+    assert "step 2/5 | skipped: loss nan" in out and "1 skipped in all, 1 in a row (stops at 5)" in out
+    assert "done at step 5; 1 step(s) skipped for non-finite values; checkpoint" in out
+    # checkpoints after steps 0..4: step 2 (saved as 3) made no update, the steps around it did
+    assert [c["step"] for c in saved] == [1, 2, 3, 4, 5]
+    assert [c["adam_steps"] for c in saved] == [1, 2, 2, 3, 4]
+    assert [c["skipped_steps"] for c in saved] == [0, 0, 1, 1, 1]
+    before, after, next_one = (saved[i]["model"] for i in (1, 2, 3))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not all(torch.equal(after[k], next_one[k]) for k in after)
+    assert assert_finite_checkpoint(tmp_path / "ckpt.pt")["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("nonfinite, max_skipped, nan_calls, last_nan, in_a_row", [
+    ("skip", 2, {4, 5}, 5, 2),  # max_skipped_steps in a row
+    ("stop", 5, {5}, 5, 1),  # the first
+])
+def test_non_finite_steps_in_a_row_stop_the_run_without_saving(tmp_path, data_dir, monkeypatch, capsys, nonfinite,
+                                                                max_skipped, nan_calls, last_nan, in_a_row):
+    monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, nan_calls))
+    argv = main_argv(tmp_path, data_dir, max_steps=10, checkpoint_interval=2, nonfinite=nonfinite,
+                     max_skipped_steps=max_skipped)
+    status, out, err = run_main(argv, capsys)
+    assert status == 1 and "Traceback" not in err + out
+    assert err.splitlines()[-1] == (
+        f"train.py: error: {in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step "
+        f"{last_nan}, --nonfinite={nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
+        f"{tmp_path / 'ckpt.pt'} is the last good checkpoint: continue with --resume")
+    records = read_metrics(tmp_path)[0]
+    assert [(r["step"], r["skipped_steps"]) for r in records if r["skipped"]] == [
+        (step, i + 1) for i, step in enumerate(sorted(nan_calls))]
+    assert records[-1]["step"] == last_nan
+    # the newest checkpoint is the last one saved before the stop: it passes its check, its weights are finite
+    assert assert_finite_checkpoint(tmp_path / "ckpt.pt")["step"] == 4
+    assert read_checkpoint(str(tmp_path / "ckpt.prev.pt"))["step"] == 2
+    assert not list(tmp_path.glob("*.tmp"))
+    # and it continues, once the cause is gone
+    monkeypatch.undo()
+    status, out, err = run_main([*argv, "--resume"], capsys)
+    assert status == 0, err
+    assert assert_finite_checkpoint(tmp_path / "ckpt.pt")["step"] == 10
+
+
+def test_non_finite_steps_apart_do_not_stop_a_run(tmp_path, data_dir, monkeypatch, capsys):
+    monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {1, 3, 5}))
+    status, out, err = run_main(main_argv(tmp_path, data_dir, max_steps=7, max_skipped_steps=2, log_interval=100),
+                                capsys)
+    assert status == 0, err
+    records = read_metrics(tmp_path)[0]
+    assert [(r["step"], r["skipped"], r["skipped_steps"]) for r in records] == [
+        (0, False, 0), (1, True, 1), (3, True, 2), (5, True, 3), (6, False, 3)]
+    assert assert_finite_checkpoint(tmp_path / "ckpt.pt")["skipped_steps"] == 3
+
+
+def test_nonfinite_off_lets_the_nan_through_and_only_the_save_refuses_it(tmp_path, data_dir, monkeypatch, capsys):
+    # off: no check at all; the optimizer steps on the NaN gradients, the weights turn NaN, and the loss after them;
+    # the records say nothing was skipped. What stops the run is the check before each save: nothing non-finite is
+    # ever written, the last good checkpoint stays the newest
+    monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {2}))
+    status, out, err = run_main(main_argv(tmp_path, data_dir, max_steps=6, checkpoint_interval=2, nonfinite="off"),
+                                capsys)
+    assert status == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == (
+        f"train.py: error: the weights hold non-finite values at step 4, so nothing was saved; lower --learning_rate "
+        f"or --grad_clip; {tmp_path / 'ckpt.pt'} is the last good checkpoint: continue with --resume")
+    records = read_metrics(tmp_path)[0]
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and not any(r["skipped"] for r in records)
+    assert [r["train_loss"] is not None for r in records] == [True, True, False, False]  # null: not finite
+    assert assert_finite_checkpoint(tmp_path / "ckpt.pt")["step"] == 2
+
+
+@pytest.mark.parametrize("nonfinite", ["stop", "off"])
+def test_a_non_finite_stop_before_any_checkpoint_points_at_none(tmp_path, data_dir, monkeypatch, capsys, nonfinite):
+    # stop: the first NaN ends the run; off: the NaN weights are refused by the save at the end. Either way no
+    # checkpoint was ever written, so the message must not send the user to one (--resume would fail: no checkpoint)
+    monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {0}))
+    status, out, err = run_main(main_argv(tmp_path, data_dir, max_steps=3, nonfinite=nonfinite), capsys)
+    assert status == 1 and err.splitlines()[-1].startswith("train.py: error: ") and "Traceback" not in err
+    assert not (tmp_path / "ckpt.pt").exists() and not (tmp_path / "ckpt.prev.pt").exists()
+    assert f"{tmp_path / 'ckpt.pt'} is the last good checkpoint" not in err and "--resume" not in err, err
+
+
+def tiny_train_step(tmp_path, data_dir, check_finite: bool, scaler: bool = False):
+    from training.step import TrainStep
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(tmp_path, data_dir).gpt_config())
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
+    loader = train.open_loader(tiny_config(tmp_path, data_dir), "train", train.World(), VOCAB)
+    step = TrainStep(model, model.parameters(), optimizer, torch.amp.GradScaler("cpu", enabled=scaler),
+                     loader.next_batch, nullcontext(), torch.device("cpu"), grad_accum=1, grad_clip=1.0, world_size=2,
+                     ddp=False, check_finite=check_finite)
+    return step, model, optimizer
+
+
+def adam_steps(optimizer) -> set[float]:
+    return {state["step"].item() for state in optimizer.state.values()} or {0.0}
+
+
+@pytest.mark.parametrize("this_rank, other_rank, check_finite, steps", [
+    ("finite", "finite", True, True),
+    ("finite", "nan", True, False),  # another rank's NaN: this one skips too
+    ("nan", "finite", True, False),
+    ("nan", "finite", False, True),  # nonfinite=off: no check
+])
+@pytest.mark.parametrize("scaler", [False, True], ids=["no_scaler", "fp16_scaler"])
+def test_every_rank_skips_when_any_rank_saw_a_non_finite_loss(tmp_path, data_dir, monkeypatch, this_rank, other_rank,
+                                                              check_finite, steps, scaler):
+    # two ranks without a process group: the all-reduce is replaced by this rank's values plus the other rank's. The
+    # NaN is in the loss alone: the gradients, and so the norm, stay finite, and only the shared flag can tell. With
+    # the fp16 loss scaler (enabled here on the CPU) the check judges the loss alone, and must skip just the same
+    from training import step as step_module
+
+    def all_reduce(tensor):  # [loss, stop flag, not-finite flag]
+        return tensor + torch.tensor([float("nan") if other_rank == "nan" else 3.0, 0.0, float(other_rank == "nan")])
+
+    monkeypatch.setattr(step_module, "sum_across_ranks", all_reduce)
+    train_step, model, optimizer = tiny_train_step(tmp_path, data_dir, check_finite, scaler)
+    if this_rank == "nan":
+        monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {0}, keep_grad=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train_step(1e-2, False)
+    assert result.finite == (this_rank == other_rank == "finite" or not check_finite)
+    assert torch.isfinite(result.grad_norm) and result.stop_votes == 0
+    changed = not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (changed, adam_steps(optimizer)) == (steps, {1.0} if steps else {0.0})
+    assert not hasattr(optimizer, "found_inf")  # the next step starts clean
+    if steps:
+        return
+    # a skipped step leaves the moments as they were (none yet), and the next one steps as a first step would
+    assert all(torch.count_nonzero(s["exp_avg"]) == 0 for s in optimizer.state.values())
+    monkeypatch.setattr(step_module, "sum_across_ranks", lambda tensor: tensor + torch.tensor([3.0, 0.0, 0.0]))
+    assert train_step(1e-2, False).finite and adam_steps(optimizer) == {1.0}
+
+
+def test_train_step_refuses_an_optimizer_that_cannot_skip_on_the_device(tmp_path, data_dir):
+    from training.step import TrainStep
+
+    model = GPT(tiny_config(tmp_path, data_dir).gpt_config())
+    unfused = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="build it with fused=True"):
+        TrainStep(model, model.parameters(), unfused, torch.amp.GradScaler("cpu", enabled=False), None,
+                  nullcontext(), torch.device("cpu"), 1, 1.0, 1, False, check_finite=True)
+
+
+# --- the wrong machine, the wrong checkpoint ------------------------------------------------------------------------
+
+def test_triton_on_a_cpu_without_the_interpreter_is_refused_before_anything_is_written(tmp_path, data_dir):
+    out_dir = tmp_path / "run"
+    result = run_cli("train.py", "--attn=triton", *cli_flags(data_dir=data_dir, out_dir=out_dir, wandb=False),
+                     env=cpu_env(TRITON_INTERPRET=None), timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: --attn=triton: the triton attention kernels run "
+                                                   "on a CUDA GPU, and this runs on cpu")
+    assert "sdpa" in lines[0] and "TRITON_INTERPRET=1" in lines[0]
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--attn=moba", "--block_size=64", "--moba_block=32"],
+     "--attn=moba: the triton attention kernels run on a CUDA GPU, and this runs on cpu; use a dense backend such as "
+     "sdpa there, or set TRITON_INTERPRET=1"),
+    (["--device=cuda"], "device='cuda' but torch sees no CUDA GPU; pass --device=cpu"),
+])
+def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatch, capsys, flags, message):
+    # in this process: Triton's interpreter read as off (TRITON_INTERPRET unset), CUDA as missing
+    from attention import triton_support
+
+    monkeypatch.setattr(triton_support, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, out, err = run_main([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", "--wandb=false", *flags],
+                                capsys)
+    lines = err.strip().splitlines()
+    assert status == 1 and len(lines) == 1 and lines[0].startswith(f"train.py: error: {message}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_build_model_refuses_a_checkpoint_of_another_model(tmp_path):
+    cfg = tiny_config(tmp_path, "unused")
+    model = GPT(cfg.gpt_config())
+    good = {"model_config": asdict(model.config), "model": model.state_dict()}
+    assert train.build_model(cfg, good).config == model.config
+    for model_config in ({**good["model_config"], "rotary": True}, {**good["model_config"], "n_head": "two"}, [1, 2]):
+        with pytest.raises(ConfigError, match=r"^the checkpoint's model_config does not describe a model of this "
+                                              r"version \(.*\); resume it with the version that wrote it"):
+            train.build_model(cfg, {**good, "model_config": model_config})
+    wider = {**good, "model_config": {**good["model_config"], "n_embd": 64}}
+    fewer = {**good, "model": {k: v for k, v in good["model"].items() if k != "lm_head.weight"}}
+    for checkpoint, reason in ((wider, "size mismatch for"), (fewer, "Missing key")):
+        with pytest.raises(ConfigError, match=rf"^the checkpoint's weights do not fit its own model_config \({reason}.*"
+                                              r"\); it was not written by this trainer, or was changed after$"):
+            train.build_model(cfg, checkpoint)
+
+
+def test_a_checkpoint_whose_data_state_does_not_fit_is_refused(tmp_path, data_dir, capsys):
+    argv = main_argv(tmp_path, data_dir, max_steps=2)
+    assert run_main(argv, capsys)[0] == 0
+    checkpoints = Checkpoints(str(tmp_path))
+    state = checkpoints.load()
+    checkpoints.save({**state, "train_loader": {**state["train_loader"], "shard": 5}})  # digest and all
+    status, out, err = run_main([*argv, "--max_steps=4", "--resume"], capsys)
+    assert status == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("train.py: error: the checkpoint's optimizer or data state does not fit this run (the state "
+                          "points at shard 5") and "resume with the settings and data_dir that trained it" in err
+
+
+def test_train_step_benchmark_runs_flag_variants_on_one_model(data_dir, tmp_path, monkeypatch):
+    from benchmarks import train_step
+
+    builds, make_step = [], train_step.make_step
+
+    def counted(cfg, world, compile_mode="default", built=None):
+        out = make_step(cfg, world, compile_mode, built)
+        builds.append((cfg.nonfinite, len(built)))
+        return out
+
+    monkeypatch.setattr(train_step, "make_step", counted)
+    settings = {k: v for k, v in TINY.items() if k != "attn"}
+    results = train_step.main(["--backends=checked:attn=naive,unchecked:attn=naive+nonfinite=off,sdpa", "--warmup=1",
+                               "--rounds=1", "--steps=1", "--profile_steps=0", f"--out_dir={tmp_path}",
+                               *cli_flags(**settings, data_dir=data_dir)])
+    assert list(results["backends"]) == ["checked", "unchecked", "sdpa"]
+    assert builds == [("skip", 1), ("off", 1), ("skip", 2)]  # nonfinite alone differs: the same model

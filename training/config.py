@@ -53,6 +53,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off (the norm is still logged)
+    # a step whose loss or gradient norm is not finite: "skip" it (no update; counted and logged), "stop" the run at
+    # once, or "off" (no check: the optimizer steps on whatever came out); skip stops after max_skipped_steps in a row
+    nonfinite: str = "skip"
+    max_skipped_steps: int = 5
     # evaluation, samples and checkpoints; an interval of 0 turns the periodic action off
     eval_interval: int = 250  # steps between val-loss evaluations (also run at the last step)
     eval_iters: int = 20  # val batches per evaluation, per process
@@ -99,6 +103,10 @@ class TrainConfig:
             raise ConfigError(f"warmup_steps={self.warmup_steps} is past the end of the decay at step "
                               f"{self.decay_steps} (lr_decay_steps, or max_steps when it is 0); shorten the warmup")
         self.grad_accum_steps(world_size=1)  # the process count is known at launch, and checked again then
+        if self.nonfinite not in ("skip", "stop", "off"):
+            raise ConfigError(f"unknown nonfinite={self.nonfinite!r}; choose one of: skip, stop, off")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"max_skipped_steps must be at least 1, got {self.max_skipped_steps}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):

@@ -39,14 +39,22 @@ def wandb_has_api_key() -> bool:
 
 
 def format_step(record: dict, max_steps: int) -> str:
-    line = (f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {record['train_loss']:.4f} | "
-            f"lr {record['lr']:.2e} | norm {record['grad_norm']:.3f} | {record['step_ms']:.1f} ms | "
+    loss, norm = (f"{record[key]:{spec}}" if record[key] is not None else "nan"  # null: not finite
+                  for key, spec in (("train_loss", ".4f"), ("grad_norm", ".3f")))
+    line = (f"step {record['step']:>{len(str(max_steps))}}/{max_steps} | loss {loss} | "
+            f"lr {record['lr']:.2e} | norm {norm} | {record['step_ms']:.1f} ms | "
             f"{record['tokens_per_s']:,.0f} tok/s")
     if record["mfu"] is not None:
         line += f" | mfu {100 * record['mfu']:.1f}%"
     if record["peak_mem_gb"] is not None:
         line += f" | mem {record['peak_mem_gb']:.1f} GB"
     return line
+
+
+def format_skipped(step: int, loss: float, grad_norm: float, skipped: int, in_a_row: int, cfg) -> str:
+    limit = "stops now" if cfg.nonfinite == "stop" else f"stops at {cfg.max_skipped_steps}"
+    return (f"step {step:>{len(str(cfg.max_steps))}}/{cfg.max_steps} | skipped: loss {loss:.4f} | norm {grad_norm:.3f} "
+            f"| no update; {skipped} skipped in all, {in_a_row} in a row ({limit})")
 
 
 class RunLogger:
@@ -101,12 +109,13 @@ class RunLogger:
         self.metrics.flush()  # a crash must not eat the lines before it
 
     def log_train(self, record: dict) -> None:
-        """record: step, train_loss, lr, grad_norm, step_ms, tokens_per_s, mfu, peak_mem_gb, attn, warmup."""
+        """record: step, train_loss, lr, grad_norm, step_ms, tokens_per_s, mfu, peak_mem_gb, attn, warmup, skipped
+        (no update: a non-finite loss or gradient norm), skipped_steps (so far)."""
         self._write(record)
         if self.wandb_run:
             names = {"train_loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                     "step_ms": "perf/step_ms", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-                     "peak_mem_gb": "perf/peak_mem_gb"}
+                     "skipped_steps": "train/skipped_steps", "step_ms": "perf/step_ms",
+                     "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "peak_mem_gb": "perf/peak_mem_gb"}
             self.wandb_run.log({name: record[key] for key, name in names.items() if record[key] is not None},
                                step=record["step"])
 

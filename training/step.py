@@ -1,0 +1,80 @@
+"""One optimizer step: forward and backward over the gradient-accumulation micro-batches, the gradient clipped, then
+the update, unless the loss or the gradient norm came out non-finite. train.py runs it; benchmarks/train_step.py
+times it (the non-finite check on and off, side by side).
+
+The check adds no host sync: the ranks' non-finite flags go through the all-reduce that already carries the loss and
+the stop requests, on the device, and the fused AdamW takes the result as its found_inf (the tensor a GradScaler
+hands it): on a non-finite step the update kernel leaves the weights and moments as they are and takes its step
+count back, without the host waiting for the flag. Every rank gets the same sum, so all skip or all step. The host
+reads the flag after the update, with the loss, to count and log the skip. With an fp16 loss scaler the scaler skips
+non-finite gradients itself (lowering the scale) and the check judges the loss alone, on the host, before the update.
+"""
+import math
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+
+from .distributed import sum_across_ranks
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean over the batch and every rank
+    grad_norm: torch.Tensor  # before clipping; on the device (read it when it is logged)
+    stop_votes: float  # ranks asked to stop (SIGINT/SIGTERM)
+    finite: bool  # False: the loss or gradient norm was not finite on some rank, and no update was made
+
+
+class TrainStep:
+    """step(lr, stop_requested) -> StepResult. model: what the batches run through (compiled, DDP-wrapped);
+    params: the parameters to clip; optimizer: a fused one (AdamW(fused=True), which takes found_inf);
+    batches(): the next (x, y) on the CPU. check_finite: skip the update on a non-finite loss or gradient norm."""
+
+    def __init__(self, model, params, optimizer, scaler, batches, autocast, device: torch.device, grad_accum: int,
+                 grad_clip: float, world_size: int, ddp: bool, check_finite: bool):
+        if not optimizer.defaults.get("fused"):
+            raise ValueError("TrainStep skips non-finite updates inside a fused optimizer; build it with fused=True")
+        self.model, self.params, self.optimizer, self.scaler = model, list(params), optimizer, scaler
+        self.batches, self.autocast, self.device = batches, autocast, device
+        self.grad_accum, self.grad_clip, self.world_size = grad_accum, grad_clip or math.inf, world_size
+        self.ddp, self.check_finite = ddp, check_finite
+
+    def __call__(self, lr: float, stop_requested: bool) -> StepResult:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_step in range(self.grad_accum):
+            x, y = self.batches()
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            # DDP all-reduces gradients in every backward: only the last micro-step's is needed
+            last_micro = micro_step == self.grad_accum - 1
+            with nullcontext() if last_micro or not self.ddp else self.model.no_sync():
+                with self.autocast:
+                    _, loss = self.model(x, y)
+                loss_sum += loss.detach()
+                self.scaler.scale(loss / self.grad_accum).backward()  # / grad_accum: the mean over the whole batch
+        self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        not_finite = torch.zeros((), device=self.device)
+        if self.check_finite:
+            finite = torch.isfinite(loss_sum)
+            if not self.scaler.is_enabled():
+                finite &= torch.isfinite(grad_norm)
+            not_finite = (~finite).float()
+        stop_flag = torch.tensor(float(stop_requested), device=self.device)
+        # one all-reduce carries the loss to log, the stop requests and the non-finite flags: all ranks decide alike
+        shared = sum_across_ranks(torch.stack([loss_sum / self.grad_accum, stop_flag, not_finite]))
+        if self.scaler.is_enabled():
+            # fp16: the scaler hands the fused update its own found_inf (non-finite gradients); a non-finite loss
+            # whose gradients came out finite is caught here, on the host, before the update
+            loss_total, stop_votes, ranks_not_finite = shared.tolist()
+            if ranks_not_finite == 0:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.found_inf = (shared[2] > 0).float()  # read by the fused update on the device
+            self.optimizer.step()
+            del self.optimizer.found_inf
+            loss_total, stop_votes, ranks_not_finite = shared.tolist()  # the step's one host sync, after the update
+        return StepResult(loss_total / self.world_size, grad_norm, stop_votes, ranks_not_finite == 0)
