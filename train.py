@@ -277,7 +277,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
 
     def save(step: int) -> None:
         # a non-finite weight never reaches a checkpoint: the last good one stays the newest
-        if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+        if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():  # one host sync
             raise NonFiniteError(f"the weights hold non-finite values at step {step}, so nothing was saved; lower "
                                  f"--learning_rate or --grad_clip; {checkpoints.where_to_resume()}")
         rng = gather_to_main(rng_state())  # a collective: every rank takes part
