@@ -1,17 +1,23 @@
-"""Tiny Shakespeare as GPT-2 tokens: the first 90% for training, the last 10% for validation.
+"""Tiny Shakespeare as GPT-2 tokens, one document per speech: [EOT] speech [EOT] speech ... The first 90% of the
+tokens are for training, the rest for validation, cut where a speech starts.
 
     python -m data.shakespeare                       # downloads the text (1.1 MB)
     python -m data.shakespeare --input input.txt     # offline: a local copy of the text
 """
 import argparse
+import re
 import sys
 import urllib.request
 
+import numpy as np
+
 from .shards import shard_path, write_index, write_shard
-from .tokenizer import encode
+from .tokenizer import EOT_TOKEN, get_encoding, to_uint16
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TRAIN_FRACTION = 0.9
+# speeches are separated by blank lines: a speech starts where a line with text follows one or more blank lines
+SPEECH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
 
 
 def download_text(url: str = URL) -> str:
@@ -25,18 +31,42 @@ def download_text(url: str = URL) -> str:
         ) from err
 
 
-def prepare(text: str, out_dir: str, made_by: str = "python -m data.shakespeare") -> dict[str, int]:
-    """Tokenize text and write train_000000.npy and val_000000.npy, then their index (made_by: the command that
-    re-creates them); returns the token count of each."""
-    tokens = encode(text)
-    n_train = int(len(tokens) * TRAIN_FRACTION)
-    if n_train == 0:
-        raise ValueError(f"the text has only {len(tokens)} token(s): too few to split into train and val")
+def split_speeches(text: str) -> list[str]:
+    """The speeches of text, each with the blank line(s) after it, so that they join back into text exactly."""
+    return SPEECH_START.split(text) if text else []
+
+
+def tokenize_speeches(speeches: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """-> (tokens, starts): [EOT] speech [EOT] speech ... as uint16, and the position of each EOT. Each speech is
+    encoded on its own, special-token strings as ordinary text, so only the EOTs placed here mark boundaries."""
+    documents = [[EOT_TOKEN, *tokens] for tokens in get_encoding().encode_ordinary_batch(speeches)]
+    starts = np.cumsum([0] + [len(document) for document in documents], dtype=np.int64)[:-1]
+    tokens = to_uint16([token for document in documents for token in document])
+    return tokens, starts
+
+
+def train_val_cut(starts: np.ndarray, n_tokens: int) -> int:
+    """The index of the first val document: the one whose start lies nearest TRAIN_FRACTION of the tokens, leaving
+    at least one document to each split."""
+    if len(starts) < 2:
+        raise ValueError(f"the text has {len(starts)} speech(es): too few to split into train and val; "
+                         "pass a text with speeches separated by blank lines")
+    distances = np.abs(starts[1:] - n_tokens * TRAIN_FRACTION)
+    return 1 + int(np.argmin(distances))
+
+
+def prepare(text: str, out_dir: str, made_by: str = "python -m data.shakespeare") -> dict[str, dict[str, int]]:
+    """Tokenize text speech by speech and write train_000000.npy and val_000000.npy, then their index (made_by: the
+    command that re-creates them); returns each split's token and document counts."""
+    tokens, starts = tokenize_speeches(split_speeches(text))
+    first_val = train_val_cut(starts, len(tokens))
+    n_train = int(starts[first_val])
+    documents = {"train": first_val, "val": len(starts) - first_val}
     counts = {}
     # split by position, not at random: val is then text the model has never seen a neighbour of
     for split, part in (("train", tokens[:n_train]), ("val", tokens[n_train:])):
         write_shard(shard_path(out_dir, split, 0), part)
-        counts[split] = len(part)
+        counts[split] = {"tokens": len(part), "documents": documents[split]}
     write_index(out_dir, made_by)
     return counts
 
@@ -54,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         text = download_text()
     command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
     counts = prepare(text, args.out_dir, command)
-    print(f"train: {counts['train']:,} tokens, val: {counts['val']:,} tokens -> {args.out_dir}")
+    print(", ".join(f"{split}: {c['tokens']:,} tokens in {c['documents']:,} speeches" for split, c in counts.items())
+          + f" -> {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -92,24 +92,87 @@ def test_write_shard_rejects_wide_tokens(tmp_path):
 
 # --- tiny shakespeare --------------------------------------------------------------------------------
 
-def test_shakespeare_splits_90_10_and_decodes_back(enc, tmp_path, capsys):
+SPEECHES = [f"Citizen {i}:\n" + "Speak, speak. — café ✓\n" * (i % 4 + 1) + "\n" for i in range(30)]
+SPEECHES[5] += "\n"  # a play ends: its two blank lines stay with the speech before them
+SPEECHES[7] = SPEECHES[7].replace("Speak", "<|endoftext|>", 1)  # text like any other, not a document boundary
+SPEECHES[-1] = SPEECHES[-1][:-1]  # the text ends with the last speech's newline, no blank line
+PLAY = "".join(SPEECHES)
+REAL_TEXT = os.environ.get("TINYSHAKESPEARE_TXT", "/work/shared/data/tinyshakespeare.txt")
+
+
+def prepared_speeches(tmp_path, text):
+    """prepare(text) -> (its counts, train tokens, val tokens)."""
+    counts = shakespeare.prepare(text, str(tmp_path))
+    return counts, np.load(tmp_path / "train_000000.npy"), np.load(tmp_path / "val_000000.npy")
+
+
+def test_split_speeches_joins_back_into_the_text():
+    assert shakespeare.split_speeches(PLAY) == SPEECHES
+    assert shakespeare.split_speeches("") == []
+
+
+def test_shakespeare_puts_eot_before_every_speech_and_decodes_back(enc, tmp_path, capsys):
     text_file = tmp_path / "input.txt"
-    text_file.write_text(TEXT * 5, encoding="utf-8")
+    text_file.write_text(PLAY, encoding="utf-8")
     out_dir = tmp_path / "shards"
     shakespeare.main(["--input", str(text_file), "--out_dir", str(out_dir)])
 
-    n = len(encode(TEXT * 5))
     train, val = np.load(out_dir / "train_000000.npy"), np.load(out_dir / "val_000000.npy")
-    assert (len(train), len(val)) == (int(0.9 * n), n - int(0.9 * n))
     assert train.dtype == val.dtype == np.uint16
-    assert enc.decode(np.concatenate([train, val]).tolist()) == TEXT * 5
-    assert f"train: {len(train):,} tokens, val: {len(val):,} tokens" in capsys.readouterr().out
+    stream = np.concatenate([train, val])
+    starts = np.flatnonzero(stream == EOT_TOKEN)
+    assert starts[0] == 0 and len(starts) == len(SPEECHES)
+    documents = np.split(stream, starts[1:])
+    assert [enc.decode(document[1:].tolist()) for document in documents] == SPEECHES
+    assert enc.decode(stream[stream != EOT_TOKEN].tolist()) == PLAY
+    assert val[0] == EOT_TOKEN
+    n_train_documents = int(np.count_nonzero(train == EOT_TOKEN))
+    assert (f"train: {len(train):,} tokens in {n_train_documents:,} speeches, val: {len(val):,} tokens in "
+            f"{len(SPEECHES) - n_train_documents:,} speeches -> {out_dir}") in capsys.readouterr().out
     # the index, written last, records each shard and the command that re-creates them
     assert read_index(str(out_dir)) == {
         "made_by": f"python -m data.shakespeare --input {text_file} --out_dir {out_dir}",
         "shards": {f"{split}_000000.npy": {"tokens": len(tokens), "bytes": (out_dir / f"{split}_000000.npy").stat().st_size,
-                                           "max_token": int(tokens.max())} for split, tokens in (("train", train), ("val", val))}}
+                                           "max_token": EOT_TOKEN} for split, tokens in (("train", train), ("val", val))}}
     assert sorted(os.listdir(out_dir)) == [INDEX, "train_000000.npy", "val_000000.npy"]  # no temporary file left
+
+
+def test_shakespeare_val_starts_at_the_speech_nearest_90_percent(enc, tmp_path):
+    counts, train, val = prepared_speeches(tmp_path, PLAY)
+    n_tokens = len(train) + len(val)
+    starts = np.flatnonzero(np.concatenate([train, val]) == EOT_TOKEN)
+    nearest = min(starts[1:], key=lambda start: abs(start - 0.9 * n_tokens))
+    assert len(train) == nearest
+    assert counts == {"train": {"tokens": len(train), "documents": int(np.count_nonzero(train == EOT_TOKEN))},
+                      "val": {"tokens": len(val), "documents": int(np.count_nonzero(val == EOT_TOKEN))}}
+    assert counts["train"]["documents"] + counts["val"]["documents"] == len(SPEECHES)
+
+
+def test_shakespeare_ten_equal_speeches_split_nine_to_one(enc, tmp_path):
+    speech = "All:\nSpeak, speak.\n\n"
+    length = 1 + len(encode(speech))
+    counts, train, val = prepared_speeches(tmp_path, speech * 10)
+    assert counts == {"train": {"tokens": 9 * length, "documents": 9}, "val": {"tokens": length, "documents": 1}}
+    assert np.array_equal(val, np.concatenate(([EOT_TOKEN], encode(speech))))
+
+
+@pytest.mark.skipif(not os.path.isfile(REAL_TEXT), reason=f"no tiny shakespeare text at {REAL_TEXT}")
+def test_shakespeare_real_text_one_document_per_speech(enc, tmp_path):
+    with open(REAL_TEXT, encoding="utf-8") as f:
+        text = f.read()
+    counts, train, val = prepared_speeches(tmp_path, text)
+    speeches = shakespeare.split_speeches(text)
+    assert all(re.match(r"[^\n]+:\n", speech) for speech in speeches)  # each opens with its speaker
+    assert counts["train"]["documents"] + counts["val"]["documents"] == len(speeches)
+    assert train[0] == val[0] == EOT_TOKEN
+    stream = np.concatenate([train, val])
+    assert enc.decode(stream[stream != EOT_TOKEN].tolist()) == text
+
+
+@pytest.mark.parametrize("text", ["", "a", "First Citizen:\nBefore we proceed any further, hear me speak.\n"])
+def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path, text):
+    with pytest.raises(ValueError, match="too few to split into train and val; pass a text with speeches"):
+        shakespeare.prepare(text, str(tmp_path))
 
 
 def test_shakespeare_download_failure_says_pass_input(monkeypatch):
@@ -119,11 +182,6 @@ def test_shakespeare_download_failure_says_pass_input(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
     with pytest.raises(RuntimeError, match="pass --input PATH"):
         shakespeare.download_text()
-
-
-def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path):
-    with pytest.raises(ValueError, match="too few"):
-        shakespeare.prepare("a", str(tmp_path))
 
 
 # --- FineWeb-Edu ---------------------------------------------------------------------------------------
