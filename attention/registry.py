@@ -30,6 +30,9 @@ class Backend:
     keys_per_query: Callable | None = None  # **options -> the most keys one query reads, where the backend bounds it
     check_options: Callable | None = None  # **options -> None, or a ValueError naming a bad value
     check_device: Callable | None = None  # device -> None, or a ValueError naming the backends that run there
+    # attention_varlen (varlen.py) in one call: fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    # causal, scale, window); None: an exact backend runs it sequence by sequence
+    varlen: Callable | None = None
 
 
 def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None):
@@ -38,6 +41,13 @@ def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | Non
     from .triton_op import triton_attention
 
     return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv)
+
+
+def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window):
+    from .triton_op import triton_varlen_attention  # on first use, as _triton_attention's import
+
+    return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                   window)
 
 
 def _check_triton_device(device: torch.device) -> None:
@@ -60,7 +70,8 @@ _BACKENDS: dict[str, Backend] = {
     "naive": Backend(_with_dense_mask(naive_attention), supports_masks=True),
     "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True),
     "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True),
-    "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device),
+    "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
+                      varlen=_triton_varlen),
     # MoBA (moba.py, §11): causal attention to the blocks each query selects; another function than the others
     "moba": Backend(moba_backend, options={"moba_block": 512, "moba_topk": 3}, exact=False, kv_cache=False,
                     keys_per_query=moba_keys_per_query, check_options=check_moba_options,
@@ -78,7 +89,7 @@ def register_backend(name: str, fn: Callable, supports_masks: bool = False, **ab
     """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D). With supports_masks it is also called as
     fn(q, k, v, causal, scale, mask=block_mask) for window / document / block-mask calls (mask: an
     attention.BlockMask that already holds the causal rule). abilities: Backend's other fields (packed, options,
-    exact, kv_cache, keys_per_query, check_options, check_device)."""
+    exact, kv_cache, keys_per_query, check_options, check_device, varlen)."""
     if name in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is already registered")
     _BACKENDS[name] = Backend(fn, supports_masks, **abilities)

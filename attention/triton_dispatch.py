@@ -2,6 +2,7 @@
 
     o, lse = forward(q, k, v, causal, scale)            # mask: MaskArgs of a block-sparse call (§10), DENSE by default
     dq, dk, dv = backward(do, q, k, v, o, lse, causal, scale)
+    o, lse = forward(q, k, v, causal, scale, mask, varlen)   # varlen (§14): q (total_q, Hq, D), k, v (total_k, Hkv, D)
 
 Which kernels run: on Hopper the tuner (triton_tuner.py, §9) times the `tl` forward (triton_flash.py) against the
 warp-specialized one (triton_hopper.py, §12), and the two `tl` backward kernels against the warp-specialized backward
@@ -40,7 +41,7 @@ def empty_bthd(B: int, H: int, T: int, D: int, like: torch.Tensor) -> torch.Tens
     return torch.empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), dtype=like.dtype, device=like.device)
 
 
-def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:
+def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs", varlen: "Varlen | None") -> dict:
     D = q.shape[-1]
     return dict(
         HEAD_DIM=D,
@@ -54,6 +55,7 @@ def _constants(q: torch.Tensor, causal: bool, mask: "MaskArgs") -> dict:
         DOCS=mask.document_ids is not None,
         BITS=mask.tile_bits is not None,
         MASK_BLOCK=mask.block_size,
+        VARLEN=varlen is not None,
     )
 
 
@@ -81,23 +83,55 @@ class MaskArgs(NamedTuple):
 DENSE = MaskArgs()
 
 
+class Varlen(NamedTuple):
+    """§14: a varlen call's sequences, packed end to end along the rows: sequence i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v."""
+    cu_seqlens_q: torch.Tensor  # (n + 1,) int32, from 0 up to total_q
+    cu_seqlens_k: torch.Tensor  # (n + 1,) int32, from 0 up to total_k
+    max_seqlen_q: int  # the longest sequences: the grid covers them, shorter ones leave programs idle
+    max_seqlen_k: int
+
+
+def _strides(t: torch.Tensor, varlen: Varlen | None) -> tuple:
+    """t's (batch, head, row, dim) strides as the kernels take them: a varlen call's (total, H, D) rows are one
+    batch entry per sequence, found through cu_seqlens, so its batch stride is 0 (§14)."""
+    return t.stride() if varlen is None else (0, t.stride(1), t.stride(0), t.stride(2))
+
+
+def _rows(t: torch.Tensor, varlen: Varlen | None) -> int:
+    """The kernels' Tq or Tk argument: a dense call's sequence length, a varlen call's packed rows."""
+    return t.shape[2] if varlen is None else t.shape[0]
+
+
+def _sizes(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
+    """-> (batch entries, Tq, Tk) the grid and the tuner see: a varlen call's sequences and longest lengths."""
+    if varlen is None:
+        return q.shape[0], q.shape[2], k.shape[2]
+    return varlen.cu_seqlens_q.shape[0] - 1, varlen.max_seqlen_q, varlen.max_seqlen_k
+
+
+def _sequences(varlen: Varlen | None) -> tuple:
+    return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+
+
 def _tiles_divide(mask: MaskArgs) -> int | None:
     return mask.block_size if mask.kv_blocks is not None else None  # a sparse call's tiles walk its blocks
 
 
-def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tk: int) -> tuple:
+def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tq: int, Tk: int) -> tuple:
     """The kernels' mask arguments (BLOCKS ... TILE_BITS) for one block list (kv or q direction)."""
-    if lists is None:
-        return (None, 0, 0, 0, 0, 0, None, 0, None)
+    left, right = mask.window or (-1, -1)
+    unbounded = Tq + Tk  # -1: farther than any key can be from any query
+    window = (unbounded if left < 0 else left, unbounded if right < 0 else right)
+    if lists is None:  # dense, or a varlen call's window (§14)
+        return (None, 0, 0, 0, *window, None, 0, None)
     Bm, Hm, rows, row_len = lists.shape
     # size-1 (broadcast) batch/head dims of the mask get stride 0: every batch row / head reads the same lists
     stride_b = Hm * rows * row_len if Bm > 1 else 0
     stride_h = rows * row_len if Hm > 1 else 0
-    left, right = mask.window or (-1, -1)
-    unbounded = 2 * Tk  # -1: farther than any key can be
     docs = mask.document_ids
-    return (lists, stride_b, stride_h, (row_len - 2) // 2, unbounded if left < 0 else left,
-            unbounded if right < 0 else right, docs, docs.stride(0) if docs is not None else 0, mask.tile_bits)
+    return (lists, stride_b, stride_h, (row_len - 2) // 2, *window, docs,
+            docs.stride(0) if docs is not None else 0, mask.tile_bits)
 
 
 # plan key -> again(the call's tensors, scale): the launch plans of the module docstring
@@ -110,11 +144,12 @@ def forget_plans() -> None:
     _plans.clear()
 
 
-def _plan_key(kind: str, causal: bool, mask: MaskArgs, *tensors: torch.Tensor) -> tuple | None:
-    """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call."""
+def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *tensors: torch.Tensor) -> tuple | None:
+    """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call.
+    A varlen call's cu_seqlens are among its tensors (its plan takes them anew), its longest lengths in the key."""
     if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits)):
         return None
-    return (kind, causal, mask.window, mask.block_size, HOPPER_MODE, TMA_MODE,
+    return (kind, causal, mask.window, mask.block_size, varlen and varlen[2:], HOPPER_MODE, TMA_MODE,
             torch.are_deterministic_algorithms_enabled(), tensors[0].device,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
@@ -130,30 +165,37 @@ def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
         remember(_plans, key, again)
 
 
-def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE,
+            varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
-    that see no key)."""
-    B, Hq, Tq, D = q.shape
-    o = empty_bthd(B, Hq, Tq, D, q)
-    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    key = _plan_key("fwd", causal, mask, q, k, v)
-    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask), q, k, v, o, lse, scale)
+    that see no key). varlen (§14): out (total_q, Hq, D), lse (Hq, total_q)."""
+    if varlen is None:
+        B, Hq, Tq, D = q.shape
+        o = empty_bthd(B, Hq, Tq, D, q)
+        lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    else:
+        o = q.new_empty(q.shape)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    seqs = () if varlen is None else _sequences(varlen)
+    key = _plan_key("fwd", causal, mask, varlen, q, k, v, *seqs)
+    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen), q, k, v, o, lse, scale, *seqs)
     return o, lse
 
 
-def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs) -> tuple:
+def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen | None) -> tuple:
     """attn_fwd's arguments, up to the constexprs."""
-    Hq, Tq, Hkv, Tk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    return (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), Hq, Hq // Hkv, Tq, Tk, scale,
-            *_mask_args(mask, mask.kv_blocks, Tk))
+    Hq, Hkv, Tq, Tk = q.shape[1], k.shape[1], _rows(q, varlen), _rows(k, varlen)
+    return (q, k, v, o, lse, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
+            Hq, Hq // Hkv, Tq, Tk, scale, *_mask_args(mask, mask.kv_blocks, Tq, Tk), *_sequences(varlen))
 
 
-def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs) -> Callable:
-    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale)."""
-    B, Hq, Tq, D = q.shape
-    Tk = k.shape[2]
+def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None) -> Callable:
+    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale, *cu_seqlens)."""
+    B, Tq, Tk = _sizes(q, k, varlen)
+    Hq, D = q.shape[1], q.shape[-1]
     hopper = None
-    if HOPPER_MODE != "0" and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None):
+    if (varlen is None and HOPPER_MODE != "0"
+            and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None)):
         tiles = triton_hopper.TILES[D]
         if HOPPER_MODE == "1":
             return triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0]).again
@@ -161,70 +203,83 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs) -
                   (q, k, v, o, lse, scale))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
-    tma = use_tma(q, k, v, o)
+    tma = varlen is None and use_tma(q, k, v, o)
     choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-                                    _forward_args(q, k, v, o, lse, scale, mask), _constants(q, causal, mask), Tq, Tk,
-                                    q.dtype, _tiles_divide(mask), loads=("tma", "pointers") if tma else ("pointers",),
-                                    hopper=hopper)
+                                    _forward_args(q, k, v, o, lse, scale, mask, varlen),
+                                    _constants(q, causal, mask, varlen), Tq, Tk, q.dtype, _tiles_divide(mask),
+                                    loads=("tma", "pointers") if tma else ("pointers",), hopper=hopper)
     if choice[1] == "hopper":
         return launched.again
 
-    def again(q, k, v, o, lse, scale):
+    def again(q, k, v, o, lse, scale, *seqs):
         if tma:
             use_scratch_allocator()
-        launched.again(*_forward_args(q, k, v, o, lse, scale, mask))
+        launched.again(*_forward_args(q, k, v, o, lse, scale, mask, varlen and Varlen(*seqs, *varlen[2:])))
     return again
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
-             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, varlen: Varlen | None = None):
     """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
     one packed gradient, see triton_op.py), by default new ones."""
-    B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    dq, dk, dv = grads or (empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v))
-    key = _plan_key("bwd", causal, mask, do, q, k, v, o, lse, dq, dk, dv)
-    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask),
-             do, q, k, v, o, lse, dq, dk, dv, scale)
+    if grads is not None:
+        dq, dk, dv = grads
+    elif varlen is None:
+        B, Hq, Tq, D = q.shape
+        Hkv, Tk = k.shape[1], k.shape[2]
+        dq, dk, dv = empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v)
+    else:
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    seqs = () if varlen is None else _sequences(varlen)
+    key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs)
+    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
+             do, q, k, v, o, lse, dq, dk, dv, scale, *seqs)
     return dq, dk, dv
 
 
-def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
-    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
-    D, Tq, Tk = q.shape[-1], q.shape[2], k.shape[2]
+def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
+                   varlen: Varlen | None) -> Callable:
+    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *cu_seqlens)."""
+    _, Tq, Tk = _sizes(q, k, varlen)
+    D = q.shape[-1]
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in
-    if (HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
+    if (varlen is None and HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
             and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
         hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
         tiles = triton_hopper_backward.tiles(D, dk, dv)
         if HOPPER_MODE == "1":
             tile = tiles[0]
         else:
-            tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask), hopper,
-                                   tiles, D, causal, q.dtype, Tq, Tk, (do, q, k, v, o, lse, dq, dk, dv, scale))
+            tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
+                                   hopper, tiles, D, causal, q.dtype, Tq, Tk, (do, q, k, v, o, lse, dq, dk, dv, scale))
         if tile is not None:
             return hopper(tile).again
-    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask)
+    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen)
 
 
-def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs) -> Callable:
+def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
+                 varlen: Varlen | None) -> Callable:
     """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel.
-    -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale)."""
-    B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
+    -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *cu_seqlens)."""
+    B, Tq, Tk = _sizes(q, k, varlen)
+    Hq, Hkv = q.shape[1], k.shape[1]
 
-    def args(do, q, k, v, o, lse, dq, dk, dv, scale):
+    def args(do, q, k, v, o, lse, dq, dk, dv, scale, *seqs):
         """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
+        call = varlen and Varlen(*seqs, *varlen[2:])
         delta = torch.empty_like(lse)
-        seq_args = (Hq, Hq // Hkv, Tq, Tk, scale)
-        return ((q, k, v, o, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(),
-                 *dq.stride(), *seq_args, *_mask_args(mask, mask.kv_blocks, Tk)),
-                (q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-                 *dv.stride(), *seq_args, *_mask_args(mask, mask.q_blocks, Tk)))
-    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale)
-    constants = _constants(q, causal, mask)
+        rows_q, rows_k = _rows(q, varlen), _rows(k, varlen)
+        seq_args = (Hq, Hq // Hkv, rows_q, rows_k, scale)
+        strides = [_strides(t, varlen) for t in (q, k, v, o, do, dq, dk, dv)]
+        sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
+        return ((q, k, v, o, do, dq, lse, delta, *sq, *sk, *sv, *so, *sdo, *sdq, *seq_args,
+                 *_mask_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequences(call)),
+                (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
+                 *_mask_args(mask, mask.q_blocks, rows_q, rows_k), *_sequences(call)))
+    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale, *(() if varlen is None else _sequences(varlen)))
+    constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _, dq_launched = tuned_launch("dq", attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
                                   dq_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))

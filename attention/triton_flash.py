@@ -120,9 +120,10 @@ def _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, q_doc, k_doc, TILE
 
 
 @triton.jit
-def _causal_visible(q_pos, k_pos, Tq, Tk, CAUSAL: tl.constexpr):
-    """_visible for dense attention: the causal rule (if any) and the end of the keys."""
-    return _visible(q_pos, k_pos, Tq, Tk, 0, 0, None, None, None, -1, CAUSAL, False, False, False, 16)
+def _rule_visible(q_pos, k_pos, Tq, Tk, window_left, window_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """_visible for the kernels' dense path: the causal rule, a varlen call's window (§14), the end of the keys."""
+    return _visible(q_pos, k_pos, Tq, Tk, window_left, window_right, None, None, None, -1, CAUSAL, WINDOW, False,
+                    False, 16)
 
 
 @triton.jit
@@ -137,37 +138,89 @@ def _document_ids(DOC_IDS, pos, shift, n_rows, missing, DOCS: tl.constexpr):
 
 
 @triton.jit
-def key_ranges(start_m, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys a query tile [start_m, start_m + BLOCK_M) visits, as two ranges (§6 tile skipping):
-    [0, full_end) are visible to every row (no mask), [full_end, end) need the mask."""
-    if CAUSAL:
-        # query i sees keys <= i + Tk - Tq: the tile's first row bounds the full tiles, its last
-        # row the end; key tiles past the end are never loaded
-        first_row_last_key = start_m + Tk - Tq
-        full_end = tl.maximum(first_row_last_key + 1, 0) // BLOCK_N * BLOCK_N
-        end = tl.minimum(first_row_last_key + BLOCK_M, Tk)
+def key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys a query tile [start_m, start_m + BLOCK_M) visits, as three ranges (§6 tile skipping): [lo, full_lo)
+    need the mask (the window's left edge cuts into them, §14), [full_lo, full_end) are visible to every row (no
+    mask), [full_end, end) need the mask (the diagonal, a window's right edge, the ragged end of the keys). Key
+    tiles outside [lo, end) are never loaded."""
+    first = start_m + Tk - Tq  # the tile's first row's position among the keys (bottom-right aligned)
+    last = first + BLOCK_M - 1
+    lo = 0
+    full_lo = 0
+    if WINDOW:  # row a sees keys >= a - window_left: the first row bounds what is loaded, the last what is whole
+        lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N
+    if CAUSAL:  # row a sees keys <= a: the first row bounds the whole tiles, the last row the end
+        full_end = tl.maximum(tl.minimum(first + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        end = tl.minimum(last + 1, Tk)
+    elif WINDOW:  # and keys <= a + window_right
+        full_end = tl.maximum(tl.minimum(first + window_right + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(tl.minimum(last + window_right + 1, Tk), 0)
     else:
         full_end = Tk // BLOCK_N * BLOCK_N  # only a ragged last tile needs the mask
         end = Tk
-    return full_end, end
+    full_lo = tl.minimum(full_lo, full_end)  # a window narrower than a tile leaves no whole tile
+    return lo, full_lo, full_end, end
 
 
 @triton.jit
-def _query_ranges(start_n, Tq, Tk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Queries that see a key tile [start_n, start_n + BLOCK_N), as three ranges (§6): [lo, diag_end)
-    straddle the diagonal (mask), [diag_end, full_end) see the whole tile (no mask), [full_end, Tq)
-    is the ragged last query tile (mask). Query tiles before lo see none of these keys: skipped."""
-    if CAUSAL:
-        first_query = start_n - (Tk - Tq)  # first query that sees key start_n
-        lo = tl.maximum(first_query, 0) // BLOCK_M * BLOCK_M
-        # a query tile starting at or after the query that sees the tile's last key sees it all
-        diag_end = tl.cdiv(tl.maximum(first_query + BLOCK_N - 1, 0), BLOCK_M) * BLOCK_M
-        diag_end = tl.minimum(diag_end, Tq)
+def _query_ranges(start_n, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Queries that see a key tile [start_n, start_n + BLOCK_N), as three ranges (§6): [lo, diag_end) straddle
+    the diagonal (mask), [diag_end, full_end) see the whole tile (no mask), [full_end, end) the ragged last query
+    tile or, with a window (§14), the rows its left edge cuts off (mask). Query tiles outside [lo, end) see none of
+    these keys: skipped. Row i sits at position i + Tk - Tq among the keys."""
+    shift = Tk - Tq
+    last = start_n + BLOCK_N - 1
+    lo = 0
+    diag_end = 0
+    if CAUSAL or WINDOW:  # key j is seen from rows at j - right on (right = 0 with causal)
+        right = 0
+        if not CAUSAL:
+            right = window_right
+        lo = tl.maximum(start_n - right - shift, 0) // BLOCK_M * BLOCK_M
+        # a query tile starting at or after the row that sees the tile's last key sees it all
+        diag_end = tl.minimum(tl.cdiv(tl.maximum(last - right - shift, 0), BLOCK_M) * BLOCK_M, Tq)
+    full_end = Tq // BLOCK_M * BLOCK_M
+    end = Tq
+    if WINDOW:  # and up to rows at j + window_left
+        full_end = tl.maximum(tl.minimum(start_n + window_left - shift + 1, Tq), 0) // BLOCK_M * BLOCK_M
+        end = tl.maximum(tl.minimum(last + window_left - shift + 1, Tq), 0)
+    full_end = tl.maximum(diag_end, full_end)
+    return lo, diag_end, full_end, end
+
+
+@triton.jit
+def _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN: tl.constexpr):
+    """§14 varlen: batch entry b is sequence b of the packed rows. -> its first query row, first key row and its
+    Tq, Tk; for a dense call rows 0, 0 and the call's Tq, Tk."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        Tq = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        Tk = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    return q_start, k_start, Tq, Tk
+
+
+@triton.jit
+def _rows_from(ptr, start, stride_t, VARLEN: tl.constexpr):
+    """§14: ptr moved to row `start` of the packed rows (varlen); unchanged for a dense call."""
+    if VARLEN:
+        ptr += start.to(tl.int64) * stride_t
+    return ptr
+
+
+@triton.jit
+def _row_stats(STATS, b, h, H, n_rows, q_start, VARLEN: tl.constexpr):
+    """Head h's first row in a per-row float32 statistic (the log-sum-exp, Delta): (B, H, n_rows) for a dense
+    call; (H, n_rows) for varlen (§14), n_rows then the packed query rows, sequence b's from q_start."""
+    if VARLEN:
+        return STATS + h.to(tl.int64) * n_rows + q_start
     else:
-        lo = 0
-        diag_end = 0
-    full_end = tl.maximum(diag_end, Tq // BLOCK_M * BLOCK_M)
-    return lo, diag_end, full_end
+        return STATS + (b * H + h).to(tl.int64) * n_rows
 
 
 @triton.jit
@@ -246,14 +299,24 @@ def attn_fwd(Q, K, V, O, LSE,
               stride_ob, stride_oh, stride_ot, stride_od,
               H, GROUP, Tq, Tk, scale,
               BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
-              window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
+              window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = _query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
+    q_start, k_start, seq_q, seq_k = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
+    LSE = _row_stats(LSE, b, h, H, Tq, q_start, VARLEN)
+    Tq, Tk = seq_q, seq_k
+    if VARLEN:
+        if start_m >= Tq:  # §14 the grid covers the longest sequence; this one is shorter
+            return
+    Q = _rows_from(Q, q_start, stride_qt, VARLEN)
+    K = _rows_from(K, k_start, stride_kt, VARLEN)
+    V = _rows_from(V, k_start, stride_vt, VARLEN)
+    O = _rows_from(O, q_start, stride_ot, VARLEN)
     # §7 GQA: query head h reads kv head h // GROUP, GROUP = Hq // Hkv
     Q = _head_rows(Q, b, h, stride_qb, stride_qh, stride_qt, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
     K = _head_rows(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
@@ -290,14 +353,21 @@ def attn_fwd(Q, K, V, O, LSE,
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
-        # §6: the fully visible key tiles first, unmasked; then the few that need the mask
-        full_end, end = key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
-        for start_n in range(0, full_end, BLOCK_N):
+        # §6: the tiles a window's left edge cuts, masked; the fully visible ones, unmasked; then the few at the
+        # diagonal and the ends, masked
+        lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
+                                                CAUSAL, WINDOW)
+        for start_n in range(lo, full_lo, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
+            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _causal_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL)
+            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
 
@@ -307,7 +377,7 @@ def attn_fwd(Q, K, V, O, LSE,
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))
     _store_tile(O, acc / l_safe[:, None], start_m, q_pos, Tq, stride_ot, cols, stride_od, HEAD_DIM)
-    tl.store(LSE + bh.to(tl.int64) * Tq + q_pos, lse, mask=q_pos < Tq)
+    tl.store(LSE + q_pos, lse, mask=q_pos < Tq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,15 +416,27 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    stride_dvb, stride_dvh, stride_dvt, stride_dvd,
                    H, GROUP, Tq, Tk, scale,
                    BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
-                   window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
+                   window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-                   MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     H_kv = H // GROUP
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
+    q_start, k_start, seq_q, seq_k = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
+    stat_rows = Tq  # the length of a head's rows in LSE and DELTA
+    Tq, Tk = seq_q, seq_k
+    if VARLEN:
+        if start_n >= Tk:  # §14 as in the forward
+            return
+    Q = _rows_from(Q, q_start, stride_qt, VARLEN)
+    DO = _rows_from(DO, q_start, stride_dot, VARLEN)
+    K = _rows_from(K, k_start, stride_kt, VARLEN)
+    V = _rows_from(V, k_start, stride_vt, VARLEN)
+    DK = _rows_from(DK, k_start, stride_dkt, VARLEN)
+    DV = _rows_from(DV, k_start, stride_dvt, VARLEN)
     if DOCS:
         DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
@@ -375,8 +457,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         h = h_kv * GROUP + g
         Qh = head_base(Q, b, h, stride_qb, stride_qh)
         DOh = head_base(DO, b, h, stride_dob, stride_doh)
-        LSEh = LSE + (b * H + h).to(tl.int64) * Tq
-        DELTAh = DELTA + (b * H + h).to(tl.int64) * Tq
+        LSEh = _row_stats(LSE, b, h, H, stat_rows, q_start, VARLEN)
+        DELTAh = _row_stats(DELTA, b, h, H, stat_rows, q_start, VARLEN)
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row, n_full, n_listed = _listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_n, n_blocks,
@@ -395,19 +477,23 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
         else:
-            # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one masked
-            lo, diag_end, full_end = _query_ranges(start_n, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)
+            # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one (and those a
+            # window's left edge cuts, §14) masked
+            lo, diag_end, full_end, end = _query_ranges(start_n, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
+                                                        CAUSAL, WINDOW)
             for start_m in range(lo, diag_end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
-                visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
+                visibleT = _rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
+                                         WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
-            for start_m in range(full_end, Tq, BLOCK_M):
+            for start_m in range(full_end, end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
-                visibleT = _causal_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, CAUSAL)
+                visibleT = _rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
+                                         WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
 
@@ -441,13 +527,27 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                  H, GROUP, Tq, Tk, scale,
                  BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
-                 window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS,
+                 window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
-                 MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     start_m = _query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
+    q_start, k_start, seq_q, seq_k = _sequence(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
+    LSE = _row_stats(LSE, b, h, H, Tq, q_start, VARLEN)
+    DELTA = _row_stats(DELTA, b, h, H, Tq, q_start, VARLEN)
+    Tq, Tk = seq_q, seq_k
+    if VARLEN:
+        if start_m >= Tq:  # §14 as in the forward
+            return
+    Q = _rows_from(Q, q_start, stride_qt, VARLEN)
+    O = _rows_from(O, q_start, stride_ot, VARLEN)
+    DO = _rows_from(DO, q_start, stride_dot, VARLEN)
+    DQ = _rows_from(DQ, q_start, stride_dqt, VARLEN)
+    K = _rows_from(K, k_start, stride_kt, VARLEN)
+    V = _rows_from(V, k_start, stride_vt, VARLEN)
     K = head_base(K, b, h // GROUP, stride_kb, stride_kh)  # §7
     V = head_base(V, b, h // GROUP, stride_vb, stride_vh)
     if DOCS:
@@ -459,14 +559,14 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                    HEAD_DIM, True)  # (M, D), on chip throughout, like dO, lse and Delta
     do = load_rows(head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols, stride_dod,
                     HEAD_DIM, True)  # (M, D)
-    lse2 = tl.load(LSE + bh.to(tl.int64) * Tq + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,)
+    lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,)
     # §5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i: one D-long dot product per row. This kernel
     # holds the rows' dO anyway, so it computes Delta here and stores it for the dK/dV kernel,
     # which runs next (a separate pre-pass would cost a launch and a second read of dO).
     o = load_rows(head_base(O, b, h, stride_ob, stride_oh), q_pos, Tq, stride_ot, cols, stride_od,
                    HEAD_DIM, True)  # (M, D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (M,)
-    tl.store(DELTA + bh.to(tl.int64) * Tq + q_pos, delta, mask=q_pos < Tq)
+    tl.store(DELTA + q_pos, delta, mask=q_pos < Tq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
 
@@ -488,13 +588,19 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                           Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     else:
-        full_end, end = key_ranges(start_m, Tq, Tk, BLOCK_M, BLOCK_N, CAUSAL)  # §6, as in the forward
-        for start_n in range(0, full_end, BLOCK_N):
+        lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
+                                                CAUSAL, WINDOW)  # §6, as in the forward
+        for start_n in range(lo, full_lo, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
+            dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_lo, full_end, BLOCK_N):
             dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _causal_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, CAUSAL)
+            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                           Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
     DQ = head_base(DQ, b, h, stride_dqb, stride_dqh)

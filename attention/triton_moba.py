@@ -108,7 +108,7 @@ def _block_key_ranges(block, tile, own, T, MOBA_BLOCK: tl.constexpr, BLOCK_M: tl
     full_end = tl.minimum(start + MOBA_BLOCK, T)
     end = full_end
     if own:
-        full_end, end = key_ranges(start + tile * BLOCK_M, T, T, BLOCK_M, BLOCK_N, True)
+        _, _, full_end, end = key_ranges(start + tile * BLOCK_M, T, T, 0, 0, BLOCK_M, BLOCK_N, True, False)
     return start, full_end, end
 
 

@@ -9,7 +9,8 @@ graph break; FlashAttentionFunction wires the backward op to the forward for aut
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
-same ops as optional arguments (triton_dispatch.MaskArgs): operators take tensors and numbers only.
+same ops as optional arguments (triton_dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
+calls (§14, attention_varlen): their cu_seqlens and longest lengths (triton_dispatch.Varlen).
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
@@ -22,28 +23,37 @@ from .inputs import check_qkv, unpack_qkv
 from .ops import define_op
 from .triton_support import check_triton_support
 
-# The mask arguments every op takes after (causal, scale): MaskArgs flattened into operator types
+# The arguments every op takes after (causal, scale): MaskArgs and Varlen flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
-               "int window_left=-1, int window_right=-1, int block_size=16")
+               "int window_left=-1, int window_right=-1, int block_size=16, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
 
 
 def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
-               window_right: int = -1, block_size: int = 16) -> triton_dispatch.MaskArgs:
+               window_right: int = -1, block_size: int = 16, cu_seqlens_q=None, cu_seqlens_k=None,
+               max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+    """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size)
+    varlen = None if cu_seqlens_q is None else triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                      max_seqlen_k)
+    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size), varlen
 
 
-def _flat(mask: triton_dispatch.MaskArgs) -> tuple:
+def _flat(mask: triton_dispatch.MaskArgs, varlen: triton_dispatch.Varlen | None = None) -> tuple:
     left, right = mask.window or (-1, -1)
-    return mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size
+    return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
+            *(varlen or (None, None, 0, 0)))
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
-    return triton_dispatch.forward(q, k, v, causal, scale, _mask_args(*mask))
+    mask, varlen = _mask_args(*mask)
+    return triton_dispatch.forward(q, k, v, causal, scale, mask, varlen)
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
+    if _mask_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
+        return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     B, Hq, Tq, D = q.shape
     return triton_dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
@@ -54,10 +64,13 @@ flash_attn_fwd = define_op(
 
 
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
-    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, _mask_args(*mask))
+    mask, varlen = _mask_args(*mask)
+    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
+    if _mask_args(*mask)[1] is not None:
+        return tuple(t.new_empty(t.shape) for t in (q, k, v))
     return tuple(triton_dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
@@ -68,7 +81,7 @@ flash_attn_bwd = define_op(
 
 
 def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
-    return _packed_backward(do, qkv, o, lse, causal, scale, _mask_args(*mask))
+    return _packed_backward(do, qkv, o, lse, causal, scale, _mask_args(*mask)[0])
 
 
 def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
@@ -88,29 +101,30 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_d
     return dqkv
 
 
-def _fwd(q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
+def _fwd(q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
     # Under torch.compile the op keeps the kernel one opaque node with a fake impl. In eager mode the
     # launcher is called directly, without the dispatcher's round trip: at small shapes every microsecond
     # of host time per call shows (benchmarks/launch_overhead.py).
     if torch.compiler.is_compiling():
-        return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask))
-    return triton_dispatch.forward(q, k, v, causal, scale, mask)
+        return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask, varlen))
+    return triton_dispatch.forward(q, k, v, causal, scale, mask, varlen)
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
+def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
     if torch.compiler.is_compiling():  # as in _fwd
-        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask))
-    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask)
+        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask, varlen))
+    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for the kernels; torch.compile traces through it to the ops."""
+    """Autograd for the kernels; torch.compile traces through it to the ops. varlen: a
+    triton_dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
-        o, lse = _fwd(q, k, v, causal, scale, mask)
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
+        o, lse = _fwd(q, k, v, causal, scale, mask, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
+        ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
         ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
@@ -118,8 +132,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.varlen)
+        return dq, dk, dv, None, None, None, None
 
 
 class PackedFlashAttentionFunction(torch.autograd.Function):
@@ -192,3 +206,13 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
     else:
         out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kernel_mask_args(mask))
     return (out, lse) if return_lse else out
+
+
+def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                            scale: float, window: tuple[int, int] | None = None) -> torch.Tensor:
+    """attention_varlen's triton backend (§14), on inputs attention/varlen.py has checked: q (total_q, Hq, D), k, v
+    (total_k, Hkv, D), cu_seqlens int32 on their device. -> (total_q, Hq, D)."""
+    check_triton_support(q)
+    varlen = triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mask = triton_dispatch.MaskArgs(window=window)
+    return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]
