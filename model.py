@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import (attention, attention_qkvpacked, backend_options, decode_attention, get_backend, keys_per_query,
-                       unpack_qkv)
+from attention import (BlockMask, attention, attention_qkvpacked, available_backends, backend_options, decode_attention,
+                       get_backend, keys_per_query, unpack_qkv)
 
 # every GPT-2 size uses a head size of 64; only the depth and width change
 PRESETS = {
@@ -45,6 +45,10 @@ class GPTConfig:
     # Sliding window: each token attends to itself and the `window` tokens before it, through any
     # backend that takes masks (the triton one skips the key blocks outside it). 0 is full causal attention.
     window: int = 0
+    # Document masking: packed documents, each starting at a doc_token (GPT-2's <|endoftext|>), attend only within
+    # themselves (alone or with the window), through any backend that takes masks
+    doc_mask: bool = False
+    doc_token: int = 50256
     # the backend's own options (attention.backend_options), its defaults filled in by __post_init__
     attn_options: dict = field(default_factory=dict)
 
@@ -65,15 +69,18 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.attn_options must be a dict of the backend's options, got "
                              f"{self.attn_options!r}")
         self.attn_options = backend_options(self.attn, **self.attn_options)  # unknown backend or option: an error
-        if self.window and not get_backend(self.attn).supports_masks:
-            raise ValueError(f"window={self.window} with attn={self.attn!r}: that backend takes no sliding window; "
-                             "pick window=0, or a backend that takes masks (sdpa, triton, naive, compile)")
+        if (self.window or self.doc_mask) and not get_backend(self.attn).supports_masks:
+            rule = f"window={self.window}" if self.window else "doc_mask=True"
+            raise ValueError(f"{rule} with attn={self.attn!r}: that backend takes no masks; pick a backend that "
+                             f"does ({', '.join(b for b in available_backends() if get_backend(b).supports_masks)})")
 
     def sparsity(self) -> dict:
         """What the attention computes beyond dense causal attention: {} for none, the window, and for a backend
         that computes a function of its own (attention.Backend.exact False) its name and options. Configs that
         differ only in an exact backend have the same sparsity and compute the same function, up to rounding."""
         rules = {"window": self.window} if self.window else {}
+        if self.doc_mask:
+            rules["doc_mask"] = True
         if not get_backend(self.attn).exact:
             rules.update(attn=self.attn, **self.attn_options)
         return rules
@@ -215,14 +222,16 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True  # see GPT._init_weights
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv_cache: KVCache | None = None):
+    def forward(self, x, kv_cache: KVCache | None = None, documents: BlockMask | None = None):
+        """documents: the step's document mask (GPT.document_mask), which holds the window too."""
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
         window = (self.window, 0) if self.window else None
         if kv_cache is None:
             # packed: the triton backend's backward then returns qkv's gradient as one tensor, where three
             # gradients of q, k, v would cost a concatenation per layer (see attention_qkvpacked)
-            y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window, **self.options)
+            y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window, block_mask=documents,
+                                    **self.options)
         else:
             y = self._attend_cached(qkv, kv_cache, window)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side
@@ -270,8 +279,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache: KVCache | None = None):
-        x = x + self.attn(self.ln_1(x), kv_cache)
+    def forward(self, x, kv_cache: KVCache | None = None, documents: BlockMask | None = None):
+        x = x + self.attn(self.ln_1(x), kv_cache, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -308,6 +317,7 @@ class GPT(nn.Module):
 
         kv_caches: one KVCache per layer (generate() makes them). idx then holds the tokens that
         follow the cached ones, and their k, v are added to the caches.
+        With doc_mask, each row's documents start at its doc_tokens; tokens before the first are one more document.
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, seq_len) token ids, got shape {tuple(idx.shape)}; "
@@ -315,6 +325,9 @@ class GPT(nn.Module):
         if kv_caches is not None and not get_backend(self.config.attn).kv_cache:
             raise ValueError(f"attn={self.config.attn!r} attends whole sequences only (as many queries as keys) and "
                              "runs without KV caches; run the full context, as generate() does for it")
+        if kv_caches is not None and self.config.doc_mask:
+            raise ValueError("a doc_mask model runs without KV caches (each query needs the documents of every key); "
+                             "run the full context, as generate() does for it")
         if kv_caches is not None and len(kv_caches) != self.config.n_layer:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.config.n_layer} layers; pass one per layer")
         B, T = idx.size()
@@ -326,13 +339,22 @@ class GPT(nn.Module):
                              "with a larger block_size")
         pos = kv_caches[0].positions(T, idx.device) if kv_caches else torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        documents = self.document_mask(idx) if self.config.doc_mask else None  # one per step, for every layer
         for i, block in enumerate(self.transformer.h):
-            x = block(x, kv_caches[i] if kv_caches else None)
+            x = block(x, kv_caches[i] if kv_caches else None, documents)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+    def document_mask(self, idx: torch.Tensor) -> BlockMask:
+        """The causal mask within documents (and the window) of the batch idx (B, T), built on idx's device without
+        waiting for it: a document starts at each doc_token."""
+        T = idx.size(1)
+        document_ids = (idx == self.config.doc_token).cumsum(1, dtype=torch.int32)  # (B, T)
+        window = (self.config.window, 0) if self.config.window else None
+        return BlockMask.from_rules(T, T, causal=True, window=window, document_ids=document_ids)
 
     def num_params(self) -> int:
         # parameters() yields the tied wte/lm_head weight once
@@ -380,14 +402,14 @@ class GPT(nn.Module):
         Sparse models: with a window, the cache is used but each step runs eagerly (the newest
         token through attention() with the window, against the cache's last window keys) and
         without a CUDA graph, since the static decode step has no window. A backend that attends whole
-        sequences only (attention.Backend.kv_cache False) always runs as use_cache=False.
+        sequences only (attention.Backend.kv_cache False), and a doc_mask model, always run as use_cache=False.
         """
         if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
             raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
-        if not get_backend(self.config.attn).kv_cache:
-            use_cache = False  # it attends a whole sequence at once: no form for one new query
+        if not get_backend(self.config.attn).kv_cache or self.config.doc_mask:
+            use_cache = False  # it attends a whole sequence at once (or per document): no form for one new query
         static_step = use_cache and not self.config.window  # decode_attention has no window
         if cuda_graph is None:
             cuda_graph = static_step and idx.device.type == "cuda"

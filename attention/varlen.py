@@ -102,7 +102,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     finite = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool) and softmax_scale > 0
     if softmax_scale is not None and not (finite and softmax_scale < float("inf")):
         raise ValueError(f"softmax_scale must be a positive number or None (1/sqrt(head_dim)), got {softmax_scale!r}")
-    if q.device.type == "cpu":  # no GPU to wait for: check the offsets themselves
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():  # no GPU to wait for: check the offsets
         for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                          ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
             lengths = cu.diff()

@@ -292,7 +292,7 @@ def test_optimizer_groups():
     (dict(attn_options={"moba_block": 128}), r"'sdpa' got unknown option\(s\) \['moba_block'\]; it takes no options"),
     (dict(attn="moba", attn_options=[("moba_block", 128)]), "attn_options must be a dict"),
     (dict(attn="moba", window=8), "window=8 with attn='moba': that backend takes no sliding window; pick window=0"),
-    (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, moba, naive, sdpa, triton"),
+    (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, flex, moba, naive, sdpa, triton"),
 ])
 def test_sparse_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -435,3 +435,44 @@ def test_from_pretrained_weights_with_a_window(tmp_path):
     assert not torch.allclose(model(idx)[0][:, 5:], hf(idx).logits[:, 5:], atol=1e-3)
     moba = GPT.from_pretrained(str(tmp_path / "model.safetensors"), attn="moba", attn_options={"moba_block": 32})
     assert moba.config.sparsity() == {"attn": "moba", "moba_block": 32, "moba_topk": 3}
+
+
+@pytest.mark.parametrize("backend,window", [("naive", 0), ("triton", 0), ("triton", 3), ("sdpa", 5)])
+def test_doc_mask_keeps_each_document_to_itself(backend, window):
+    # a document starts at each EOT: changing the tokens of one document changes no other document's logits, and
+    # the logits are those of the naive backend with the same masks
+    torch.manual_seed(0)
+    model = tiny_model(attn=backend, doc_mask=True, window=window).eval()
+    eot = model.config.doc_token
+    idx = random_tokens(2, 16, 1000, seed=3)
+    idx[0, [0, 6, 7]] = eot  # row 0: documents at 0..5, 6, 7..15; row 1: one document
+    idx[1, 0] = eot
+    logits = model(idx)[0]
+    changed = idx.clone()
+    changed[0, 1:6] = random_tokens(1, 5, 1000, seed=4)[0]  # the first document of row 0
+    changed_logits = model(changed)[0]
+    assert not torch.allclose(changed_logits[0, :6], logits[0, :6])
+    torch.testing.assert_close(changed_logits[0, 6:], logits[0, 6:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(changed_logits[1], logits[1], atol=1e-5, rtol=0)
+    naive = tiny_model(attn="naive", doc_mask=True, window=window).eval()
+    torch.testing.assert_close(naive(idx)[0], logits, atol=1e-4, rtol=0)
+    # without doc_mask the first document's tokens do reach the later ones
+    assert not torch.allclose(tiny_model(attn=backend, window=window).eval()(changed)[0][0, 6:],
+                              tiny_model(attn=backend, window=window).eval()(idx)[0][0, 6:])
+
+
+def test_doc_mask_generate_runs_without_cache_and_matches_the_full_forward():
+    torch.manual_seed(0)
+    model = tiny_model(attn="naive", doc_mask=True).eval()
+    idx = random_tokens(1, 6, 1000, seed=5)
+    idx[0, 3] = model.config.doc_token
+    out = model.generate(idx, 4, temperature=0)
+    for t in range(6, 10):  # each greedy token is the argmax of the full forward over what came before
+        assert out[0, t] == model(out[:, :t])[0][0, -1].argmax()
+    with pytest.raises(ValueError, match="without KV caches"):
+        model(idx, kv_caches=[model_module.KVCache(16) for _ in range(model.config.n_layer)])
+
+
+def test_doc_mask_needs_a_backend_with_masks():
+    with pytest.raises(ValueError, match="takes no masks"):
+        GPTConfig(attn="moba", doc_mask=True)

@@ -114,3 +114,23 @@ def test_sparse_call_errors_name_the_fix():
         BlockMask.from_rules(64, 64, causal=True, block_size=48)
     with pytest.raises(ValueError, match="document_ids"):
         attention(q, k, v, backend="triton", document_ids=torch.zeros(1, 10, dtype=torch.long))
+
+
+def test_document_ids_mask_built_once_per_ids_tensor(monkeypatch):
+    # a model passes one batch's ids to every layer: the first call builds the block mask, the others reuse it, and
+    # ids written in place are a new mask (the result must follow them)
+    torch.manual_seed(0)
+    q, k, v = qkv(B=2, Hq=2, Hkv=2, Tq=48, Tk=48, D=16)
+    ids = packed_document_ids(2, 48, [[10, 30], [5, 5, 40]])
+    builds = []
+    from_rules = BlockMask.from_rules
+    monkeypatch.setattr(BlockMask, "from_rules", lambda *a, **kw: builds.append(1) or from_rules(*a, **kw))
+    first = attention(q, k, v, backend="naive", document_ids=ids)
+    for _ in range(3):
+        torch.testing.assert_close(attention(q, k, v, backend="naive", document_ids=ids), first, atol=0, rtol=0)
+    assert len(builds) == 1
+    ids[0, 20:] += 1  # a new document from position 20 in row 0
+    changed = attention(q, k, v, backend="naive", document_ids=ids)
+    assert len(builds) == 2
+    torch.testing.assert_close(changed, attention(q, k, v, backend="naive", document_ids=ids.clone()), atol=0, rtol=0)
+    assert not torch.equal(changed[0], first[0])

@@ -37,6 +37,7 @@ class TrainConfig:
     bias: bool = True
     attn: str = "sdpa"  # attention backend: one of attention.available_backends()
     window: int = 0  # > 0: a causal sliding window, each token sees the `window` before it; 0 = full attention
+    doc_mask: bool = False  # attention stays inside documents, each starting at an EOT token (alone or with window)
     # options of the backends that take them (attention.backend_options), passed to the one chosen
     moba_block: int = 512  # attn=moba: keys per block (a multiple of 128 on a GPU); >= block_size is dense causal
     moba_topk: int = 3  # attn=moba: the earlier blocks each query reads besides its own
@@ -134,7 +135,7 @@ class TrainConfig:
             options = get_backend(self.attn).options
         except ValueError as err:
             raise ConfigError(f"attn: {err}") from None
-        return {"attn": self.attn, "window": self.window,
+        return {"attn": self.attn, "window": self.window, "doc_mask": self.doc_mask,
                 "attn_options": {name: getattr(self, name) for name in options if hasattr(self, name)}}
 
     def gpt_config(self) -> GPTConfig:
