@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind the README's tables, and the GPU tests: one or more stages per call of a GPU machine.
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
-# STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding
+# STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding | documents | moba | long_context
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
@@ -72,10 +72,27 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --resume --out_dir "$RESULTS/sparse" 2>&1 \
       | grep -v "it/s]" | tail -30 | log
     pack sparse ;;
+  documents)  # packed documents: per-call ids, a prebuilt mask, varlen, Flex and dense causal side by side
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.documents --out_dir "$RESULTS/documents" 2>&1 | log
+    pack documents ;;
+  moba)  # MoBA (block 512, top-3) against dense causal at T=32k, hs=128 (into moba/<gpu>)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr A-Z a-z)
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --families dense,moba --seq_lens 32768 --head_dims 128 \
+      --passes fwd,fwd+bwd --no-flex --out_dir "$RESULTS/moba/${gpu:-gpu}" 2>&1 | grep -v "it/s]" | tail -12 | log
+    pack moba ;;
+  long_context)  # GPT-2 124M at T=4096 on packed speeches: dense, document-masked and windowed attention
+    shakespeare 2>&1 | log
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --reference triton --out_dir "$RESULTS/long_context" \
+      --wandb false --variants sdpa:attn=sdpa triton:attn=triton flex-docs:attn=flex,doc_mask=true \
+      triton-docs:attn=triton,doc_mask=true triton-window:attn=triton,window=1024 -- configs/shakespeare.py \
+      --block_size=4096 --batch_size=4 --compile=false --max_steps=100 --eval_interval=25 --eval_iters=2 \
+      --sample_interval=0 2>&1 | grep -v "it/s]" | tail -24 | log
+    pack long_context ;;
   decoding)  # generate() with and without the KV cache and its CUDA graph
     timeout "$SECONDS_LEFT" python3 -m benchmarks.generate --backends sdpa,triton --out_dir "$RESULTS/decoding" \
       2>&1 | log
     pack decoding ;;
-  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context" >&2
+     exit 2 ;;
   esac
 done
