@@ -94,6 +94,8 @@ class BlockMask:
         _check_block_size(block_size)
         if document_ids is not None:
             device = document_ids.device
+            if lists_by_kernel(device):
+                return cls._from_document_lists(Tq, Tk, causal, window, document_ids, block_size)
         nq, nk = -(-Tq // block_size), -(-Tk // block_size)
         q_first, q_last = _block_bounds(Tq, Tk - Tq, nq, block_size, device)  # absolute positions (bottom-right)
         k_first, k_last = _block_bounds(Tk, 0, nk, block_size, device)
@@ -113,6 +115,23 @@ class BlockMask:
             state = torch.minimum(state, _document_state(document_ids, Tq, Tk, block_size))
         return cls(state.to(torch.int8), Tq, Tk, block_size, causal=causal,
                    window=None if window in (None, (-1, -1)) else tuple(window), document_ids=document_ids)
+
+    @classmethod
+    def _from_document_lists(cls, Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor,
+                             block_size: int) -> BlockMask:
+        """from_rules with documents, and its block lists, in three launches (triton_block_lists.py): the rules'
+        states (no documents) are the same for every batch and built once per shape."""
+        from .triton_block_lists import document_block_lists
+
+        rules = _rule_states.get((Tq, Tk, causal, window, block_size, document_ids.device))
+        if rules is None:
+            rules = cls.from_rules(Tq, Tk, causal=causal, window=window, block_size=block_size,
+                                   device=document_ids.device)
+            _rule_states[(Tq, Tk, causal, window, block_size, document_ids.device)] = rules
+        state, kv_blocks, q_blocks = document_block_lists(rules.state[0, 0], document_ids, Tq, Tk, block_size)
+        mask = cls(state, Tq, Tk, block_size, causal=causal, window=rules.window, document_ids=document_ids)
+        mask._lists.update(kv=kv_blocks, q=q_blocks)
+        return mask
 
     @classmethod
     def from_mask_fn(cls, mask_fn: Callable, B: int, H: int, Tq: int, Tk: int, block_size: int | None = None,
@@ -229,6 +248,18 @@ class BlockMask:
                                        ("mask_fn", self.mask_fn is not None)) if on]
         return (f"BlockMask(Tq={self.Tq}, Tk={self.Tk}, block_size={self.block_size}, state={tuple(self.state.shape)}, "
                 f"rules=[{', '.join(rules)}], skipped={self.sparsity():.1%})")
+
+
+# (Tq, Tk, causal, window, block_size, device) -> the BlockMask of the rules alone, for _from_document_lists
+_rule_states: dict[tuple, BlockMask] = {}
+
+
+def lists_by_kernel(device) -> bool:
+    """Whether a document mask's lists come from triton_block_lists.py: on the GPU, and under the CPU interpreter
+    (its tests); not inside torch.compile, which fuses the torch build into the graph instead."""
+    from .triton_support import INTERPRET
+
+    return (torch.device(device).type == "cuda" or INTERPRET) and not torch.compiler.is_compiling()
 
 
 def _check_block_size(block_size: int) -> None:
