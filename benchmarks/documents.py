@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
 
 from attention import BlockMask, attention, attention_varlen
 from benchmarks.attention import DTYPES, comma_list, median_ms, warm_up_gpu
-from benchmarks.report import default_out_dir, environment, markdown_table, rotations, write_json
+from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, write_json
 
 GRIDS = {"gpu": {"seq_lens": [4096, 16384], "head_dims": [64, 128], "tokens": 16384, "width": 2048},
          "toy": {"seq_lens": [64, 128], "head_dims": [16], "tokens": 256, "width": 32}}
@@ -140,6 +140,27 @@ def report(results: dict) -> str:
             "rotating rounds.\n\n" + markdown_table(header, lines) + "\n")
 
 
+def plot(results: dict, path: Path) -> None:
+    """Grouped bars: each cell's forward+backward time per implementation."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cells = results["cells"]
+    names = [n for n in cells[0]["ms"] if n != "prebuilt again"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([c + i * width for c in range(len(cells))], [cell["ms"].get(name, 0) for cell in cells], width,
+               label=name)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cells))], [f"D={c['D']}, T={c['T']}" for c in cells])
+    ax.set_ylabel("forward+backward ms")
+    ax.set_title(f"Packed documents, {results['env'].get('gpu')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -175,6 +196,7 @@ def main(argv=None):
             print(json.dumps({k: results["cells"][-1][k] for k in ("D", "T", "ms", "build_ms")}), flush=True)
     text = report(results)
     (out_dir / "results.md").write_text(text)
+    plot(results, out_dir / "documents.png")
     print(text)
     return out_dir
 

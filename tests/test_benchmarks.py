@@ -422,3 +422,18 @@ def test_launch_timeline_marks_the_triton_function_and_restores_it():
         assert all(t > 0 for t in times.values())
         assert times["whole"] >= max(times["forward"], times["grad"])
     assert (FlashAttentionFunction.forward, FlashAttentionFunction.backward) == plain
+
+
+def test_documents_benchmark_times_every_path_on_the_same_documents(tmp_path):
+    from benchmarks import documents
+
+    ids = documents.uneven_documents(3, 50, 4, seed=0)
+    assert all(len(torch.unique(row)) == 4 for row in ids)  # four documents per row, cut at random
+    cu, longest = documents.cu_seqlens(ids)
+    assert cu[-1] == 150 and len(cu) == 13 and longest == int((cu[1:] - cu[:-1]).max())
+    out = documents.main(["--device", "cpu", "--seq_lens", "32", "--rounds", "1", "--rep_ms", "0",
+                          "--tokens", "64", "--out_dir", str(tmp_path)])
+    cell = json.loads((out / "results.json").read_text())["cells"][0]
+    assert set(cell["ms"]) == {"per call", "prebuilt", "varlen", "dense causal", "prebuilt again"}
+    assert all(ms > 0 for ms in cell["ms"].values()) and cell["build_ms"]["ours"] > 0
+    assert "| 16 | 32 |" in (out / "results.md").read_text()
