@@ -126,10 +126,11 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
                               "resume it with the version that wrote it, or start a new run") from None
         config = replace(saved, **cfg.attention_settings(), dropout=cfg.dropout)
         if config.sparsity() != saved.sparsity():
-            flags = {"attn": saved.attn, "window": saved.window, "doc_mask": saved.doc_mask, **saved.sparsity()}
+            flags = {"attn": saved.attn, "window": saved.window, **saved.sparsity()}
             raise ConfigError(f"the checkpoint's model has sparse attention {saved.sparsity() or 'none'} but this run "
                               f"asks for {config.sparsity() or 'none'}; resume with the settings that trained it: "
-                              + " ".join(f"--{k}={v}" for k, v in flags.items()))
+                              + " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                         for k, v in flags.items()))
         model = GPT(config)
         try:
             model.load_state_dict(checkpoint["model"])

@@ -3,6 +3,7 @@
 A backend is a function and what it can do (Backend): the model and the benchmarks treat every backend one way and
 ask this table what a backend takes (masks, a packed qkv tensor, options of its own) instead of naming backends.
 """
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -50,6 +51,12 @@ def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                                    window)
 
 
+def _flex_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
+    from .flex import flex_attention_backend  # on first use, as _triton_attention's import
+
+    return flex_attention_backend(q, k, v, causal, scale, mask=mask)
+
+
 def _check_triton_device(device: torch.device) -> None:
     from .triton_support import check_triton_device  # on first use, as _triton_attention's import
 
@@ -72,6 +79,8 @@ _BACKENDS: dict[str, Backend] = {
     "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True),
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
                       varlen=_triton_varlen),
+    # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
+    "flex": Backend(_flex_attention, supports_masks=True),
     # MoBA (moba.py, §11): causal attention to the blocks each query selects; another function than the others
     "moba": Backend(moba_backend, options={"moba_block": 512, "moba_topk": 3}, exact=False, kv_cache=False,
                     keys_per_query=moba_keys_per_query, check_options=check_moba_options,
@@ -79,6 +88,11 @@ _BACKENDS: dict[str, Backend] = {
 }
 # (Tq, Tk, causal, window, device) -> BlockMask: a model passes the same window to every layer
 _rule_masks: dict[tuple, BlockMask] = {}
+# (id(document_ids), Tq, Tk, causal, window) -> (a weak reference to the ids, their version, BlockMask): a model
+# passes one batch's document ids to every layer, so the first layer's build serves the others. The version
+# (bumped by every in-place write) tells ids changed in place from the ones the mask was built from.
+_document_masks: dict[tuple, tuple[weakref.ref, int, BlockMask]] = {}
+DOCUMENT_MASKS_KEPT = 8
 
 
 def available_backends() -> list[str]:
@@ -224,10 +238,24 @@ def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:
             raise ValueError(f"block_mask is on {block_mask.state.device} but q is on {q.device}; "
                              "build it with device=q.device")
         return block_mask.restrict(causal=causal, window=window, document_ids=document_ids)
-    if document_ids is not None or torch.compiler.is_compiling():
-        # document ids change with every batch; under torch.compile the build is traced into the graph
+    if torch.compiler.is_compiling():  # the build is traced into the graph
         return BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids, device=q.device)
+    if document_ids is not None:
+        return _document_mask(Tq, Tk, causal, window, document_ids)
     key = (Tq, Tk, causal, window, q.device)
     if key not in _rule_masks:
         _rule_masks[key] = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, device=q.device)
     return _rule_masks[key]
+
+
+def _document_mask(Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor) -> BlockMask:
+    """BlockMask.from_rules for these document ids, built once for all the calls that pass the same ids tensor."""
+    key = (id(document_ids), Tq, Tk, causal, window)
+    kept = _document_masks.get(key)
+    if kept is not None and kept[0]() is document_ids and kept[1] == document_ids._version:
+        return kept[2]
+    mask = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids)
+    if len(_document_masks) >= DOCUMENT_MASKS_KEPT:
+        del _document_masks[next(iter(_document_masks))]  # the oldest: batches come and go
+    _document_masks[key] = (weakref.ref(document_ids), document_ids._version, mask)
+    return mask

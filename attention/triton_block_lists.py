@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-SKIP, PARTIAL, FULL = 0, 1, 2  # block_mask.py's states
-ID_MIN, ID_MAX = -(2 ** 31), 2 ** 31 - 1
+# block_mask.py's states, and the int32 extremes; constexpr: a compiled kernel reads no other globals
+SKIP, PARTIAL, FULL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+ID_MIN, ID_MAX = tl.constexpr(-(2 ** 31)), tl.constexpr(2 ** 31 - 1)
 
 
 @triton.jit

@@ -18,7 +18,6 @@ the same window and document masks on CUDA. Timing, warm-up and failure handling
 benchmarks/attention.py; TFLOP/s count only the visible (query, key) pairs of each mask.
 """
 import argparse
-import functools
 import json
 import os
 import sys
@@ -36,6 +35,7 @@ if not torch.cuda.is_available():
 from tqdm import tqdm
 
 from attention import BlockMask, attention
+from attention.flex import compiled_flex, flex_mask_mod as rules_mask_mod
 from attention.moba import moba_attention
 from benchmarks.attention import (
     DTYPES,
@@ -117,26 +117,11 @@ def ours(family: str, args, document_ids):
     return lambda q, k, v, causal: attention(q, k, v, causal=causal, backend=args.backend, **rules)
 
 
-@functools.cache
-def compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # static shapes: the run resets Dynamo before every shape, as a fixed-T training run compiles
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def flex_mask_mod(family: str, args, document_ids):
-    """The family's mask as a FlexAttention mask_mod. It is elementwise, so it is a masks.py mask_fn
-    too: the tests check it against dense_mask."""
-    left = args.window
-
-    def window(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx <= left)
-
-    def documents(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
-
-    return {"window": window, "documents": documents}[family]
+    """The family's mask as a FlexAttention mask_mod, the flex backend's (attention/flex.py). It is elementwise, so
+    it is a masks.py mask_fn too: the tests check it against dense_mask."""
+    rules = {"window": {"window": (args.window, 0)}, "documents": {"document_ids": document_ids}}[family]
+    return rules_mask_mod(causal=True, **rules)
 
 
 def flex(family: str, args, document_ids, shape: Shape, device):

@@ -12,7 +12,7 @@ from attention import (Attention, Backend, BlockMask, attention, attention_qkvpa
                        backend_options, causal_mask, get_backend, keys_per_query, register_backend, registry)
 
 REFERENCE_BACKENDS = ["naive", "compile", "sdpa"]
-ALL_BACKENDS = ["naive", "compile", "sdpa", "triton", "moba"]
+ALL_BACKENDS = ["naive", "compile", "sdpa", "triton", "flex", "moba"]
 
 
 def _qkv(**shape):
@@ -89,8 +89,8 @@ def test_strided_views_give_the_same_result():
 
 def test_registry_lists_and_extends_backends(monkeypatch):
     assert available_backends() == sorted(ALL_BACKENDS)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; choose one of: compile, moba, naive, "
-                                         "sdpa, triton"):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; choose one of: compile, flex, moba, "
+                                         "naive, sdpa, triton"):
         attention(*_qkv(), backend="flash3")
     spec = registered_backend(monkeypatch, "test_double_naive",
                               lambda q, k, v, causal, scale: 2 * attention(q, k, v, causal, scale, "naive"))
@@ -264,7 +264,7 @@ def test_moba_takes_no_masks(sparse, backends_that_must_not_run):
     rules = {"window": (8, 0), "document_ids": packed_document_ids(1, 64, [[30, 34]]),
              "block_mask": BlockMask.from_layout(torch.ones(2, 2, dtype=torch.bool), 64, 64)}
     with pytest.raises(ValueError, match="backend 'moba' does not support window / document_ids / block_mask; use "
-                                         "one of: compile, naive, sdpa, triton"):
+                                         "one of: compile, flex, naive, sdpa, triton"):
         attention(q, k, v, backend="moba", moba_block=32, **{sparse: rules[sparse]})
     assert backends_that_must_not_run == []
 

@@ -291,7 +291,7 @@ def test_optimizer_groups():
                                                      "moba_block, moba_topk"),
     (dict(attn_options={"moba_block": 128}), r"'sdpa' got unknown option\(s\) \['moba_block'\]; it takes no options"),
     (dict(attn="moba", attn_options=[("moba_block", 128)]), "attn_options must be a dict"),
-    (dict(attn="moba", window=8), "window=8 with attn='moba': that backend takes no sliding window; pick window=0"),
+    (dict(attn="moba", window=8), "window=8 with attn='moba': that backend takes no masks; pick a backend that does"),
     (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, flex, moba, naive, sdpa, triton"),
 ])
 def test_sparse_config_errors(overrides, match):
@@ -325,7 +325,7 @@ def test_a_registered_backend_with_options_is_configured_like_moba(monkeypatch):
     config = GPTConfig(**TINY, attn="test_scaled", attn_options={"factor": 0.5})
     assert config.attn_options == {"factor": 0.5}
     assert config.sparsity() == {"attn": "test_scaled", "factor": 0.5}  # not exact: its options are the model's
-    with pytest.raises(ValueError, match="that backend takes no sliding window"):  # no supports_masks
+    with pytest.raises(ValueError, match="that backend takes no masks"):  # no supports_masks
         GPTConfig(**{**TINY, "attn": "test_scaled", "window": 4})
     with pytest.raises(ValueError, match="unknown option"):
         GPTConfig(**TINY, attn="test_scaled", attn_options={"factr": 0.5})

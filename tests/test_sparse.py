@@ -121,10 +121,11 @@ def test_document_ids_mask_built_once_per_ids_tensor(monkeypatch):
     # ids written in place are a new mask (the result must follow them)
     torch.manual_seed(0)
     q, k, v = qkv(B=2, Hq=2, Hkv=2, Tq=48, Tk=48, D=16)
-    ids = packed_document_ids(2, 48, [[10, 30], [5, 5, 40]])
+    ids = packed_document_ids(2, 48, [[10, 38], [5, 5, 40]])
     builds = []
     from_rules = BlockMask.from_rules
-    monkeypatch.setattr(BlockMask, "from_rules", lambda *a, **kw: builds.append(1) or from_rules(*a, **kw))
+    monkeypatch.setattr(BlockMask, "from_rules", lambda *a, **kw: (kw.get("document_ids") is not None
+                                                                   and builds.append(1)) or from_rules(*a, **kw))
     first = attention(q, k, v, backend="naive", document_ids=ids)
     for _ in range(3):
         torch.testing.assert_close(attention(q, k, v, backend="naive", document_ids=ids), first, atol=0, rtol=0)
@@ -134,3 +135,21 @@ def test_document_ids_mask_built_once_per_ids_tensor(monkeypatch):
     assert len(builds) == 2
     torch.testing.assert_close(changed, attention(q, k, v, backend="naive", document_ids=ids.clone()), atol=0, rtol=0)
     assert not torch.equal(changed[0], first[0])
+
+
+@pytest.mark.parametrize("Tq,Tk,causal,window,block", [(100, 100, True, None, 16), (70, 100, True, (20, 0), 16),
+                                                        (100, 100, False, (10, 5), 32), (33, 33, False, None, 16)])
+def test_document_lists_kernel_matches_the_torch_build(monkeypatch, Tq, Tk, causal, window, block):
+    # triton_block_lists.py builds a document mask's state and block lists in three launches; they must equal
+    # block_mask.py's torch build, for packed ids and for ids that are not sorted (row 1)
+    from attention import block_mask
+
+    torch.manual_seed(0)
+    ids = torch.sort(torch.randint(0, 5, (3, Tk)), dim=1).values.to(torch.int32)
+    ids[1] = torch.randint(0, 3, (Tk,))
+    by_kernel = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=ids, block_size=block)
+    monkeypatch.setattr(block_mask, "lists_by_kernel", lambda device: False)
+    by_torch = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=ids, block_size=block)
+    assert torch.equal(by_kernel.state, by_torch.state)
+    assert torch.equal(by_kernel.kv_blocks(), by_torch.kv_blocks())
+    assert torch.equal(by_kernel.q_blocks(), by_torch.q_blocks())
