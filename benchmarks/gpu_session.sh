@@ -76,7 +76,7 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.documents --out_dir "$RESULTS/documents" 2>&1 | log
     pack documents ;;
   moba)  # MoBA (block 512, top-3) against dense causal at T=32k, hs=128 (into moba/<gpu>)
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr A-Z a-z)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr A-Z a-z)
     timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --families dense,moba --seq_lens 32768 --head_dims 128 \
       --passes fwd,fwd+bwd --no-flex --out_dir "$RESULTS/moba/${gpu:-gpu}" 2>&1 | grep -v "it/s]" | tail -12 | log
     pack moba ;;
