@@ -6,6 +6,9 @@ its sections). The kernels, in the order a training step runs them:
   attn_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV summed over the query heads of its group (§5, §7);
                   reads the Delta the dQ kernel wrote
 
+With VARLEN (§14) batch entry b is sequence b of rows packed end to end (attention_varlen): each program reads
+where its sequence starts and how long it is, then runs as a dense one on it.
+
 No atomics: each output element is written by exactly one program, in a fixed order, so the gradients are
 bit-identical from run to run. Which tile each kernel runs with is the tuner's choice (triton_tuner.py, §9); when
 these kernels run and when the Hopper ones do is triton_dispatch.py's. The tile functions (fwd_tile, dq_tile,
