@@ -49,14 +49,14 @@ def _per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window, ba
     for (q0, q1), (k0, k1) in zip(zip(starts_q, starts_q[1:]), zip(starts_k, starts_k[1:])):
         if q1 == q0:
             continue
-        if k1 == k0:  # no keys: every query sees none and gets 0, as in every backend
-            pieces.append(q.new_zeros(q1 - q0, q.shape[1], v.shape[-1]))
+        if k1 == k0:  # no keys: every query sees none and gets 0 (and a zero gradient), as in every backend
+            pieces.append(q[q0:q1] * 0)
             continue
         seq_q, seq_k, seq_v = (t[a:b].transpose(0, 1).unsqueeze(0) for t, a, b in
                                ((q, q0, q1), (k, k0, k1), (v, k0, k1)))  # (1, H, T, D)
         y = attention(seq_q, seq_k, seq_v, causal=causal, scale=scale, backend=backend, window=window)
         pieces.append(y[0].transpose(0, 1))  # (T, H, D)
-    return torch.cat(pieces) if pieces else q.new_empty(q.shape)
+    return torch.cat(pieces) if pieces else q * 0  # no queries at all
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,

@@ -48,6 +48,17 @@ def test_varlen_fewer_queries_than_keys(causal):
     assert_varlen_matches_fp64([3, 17, 0, 30, 2], [9, 20, 4, 30, 0], causal=causal, Hq=4, Hkv=2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "naive"])
+def test_varlen_without_queries_or_keys_returns_zeros_with_zero_gradients(backend):
+    # every sequence empty, or queries that have no keys: outputs 0, and the gradient reaches q as zeros
+    for lengths_q, lengths_k in (([0, 0], [0, 0]), ([3], [0])):
+        q, k, v, seqs = packed(lengths_q, lengths_k)
+        q.requires_grad_()
+        y = attention_varlen(q, k, v, *seqs, causal=True, backend=backend)
+        y.sum().backward()
+        assert y.shape == q.shape and not y.any() and not q.grad.any()
+
+
 @pytest.mark.parametrize("causal,window", [(True, (7, -1)), (True, (20, 0)), (False, (7, 5)), (False, (-1, 3)),
                                            (False, (0, 0))])
 def test_varlen_window_matches_fp64(causal, window):
