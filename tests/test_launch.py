@@ -88,7 +88,7 @@ def test_calls_through_the_operators_run_plans(monkeypatch):
 
 
 def plan_key(*tensors, causal=True):
-    return triton_dispatch._plan_key("fwd", causal, triton_dispatch.DENSE, *tensors)
+    return triton_dispatch._plan_key("fwd", causal, triton_dispatch.DENSE, None, *tensors)
 
 
 def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
@@ -102,9 +102,15 @@ def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
     assert plan_key(q.half(), k, k) != base
     assert plan_key(q, k, k, causal=False) != base
     window = triton_dispatch.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
-    assert triton_dispatch._plan_key("fwd", True, window, q, k, k) not in (None, base)
+    assert triton_dispatch._plan_key("fwd", True, window, None, q, k, k) not in (None, base)
+    cu = torch.tensor([0, 40], dtype=torch.int32)  # varlen: the longest lengths in the key, cu_seqlens as tensors
+    varlen = triton_dispatch.Varlen(cu, cu, 40, 40)
+    assert triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen, q, k, k, cu, cu) not in (None, base)
+    assert (triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen._replace(max_seqlen_q=39), q, k, k,
+                                      cu, cu) != triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen,
+                                                                           q, k, k, cu, cu))
     blocks = triton_dispatch.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
-    assert triton_dispatch._plan_key("fwd", True, blocks, q, k, k) is None
+    assert triton_dispatch._plan_key("fwd", True, blocks, None, q, k, k) is None
     monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")  # the settings a test or a user may change
     assert plan_key(q, k, k) != base
     monkeypatch.undo()

@@ -380,9 +380,9 @@ def test_sparse_attention_flags_reach_the_model_config():
 def test_attention_settings_pass_the_chosen_backends_options_only():
     # the moba_* flags are MoBA's options: a dense run keeps them (as flags) but hands its backend none
     assert parse_args(["--attn=moba", "--moba_block=128"]).attention_settings() == {
-        "attn": "moba", "window": 0, "attn_options": {"moba_block": 128, "moba_topk": 3}}
+        "attn": "moba", "window": 0, "doc_mask": False, "attn_options": {"moba_block": 128, "moba_topk": 3}}
     assert parse_args(["--attn=sdpa", "--moba_block=128", "--window=8"]).attention_settings() == {
-        "attn": "sdpa", "window": 8, "attn_options": {}}
+        "attn": "sdpa", "window": 8, "doc_mask": False, "attn_options": {}}
     assert parse_args(["--attn=sdpa", "--moba_block=128"]).gpt_config().attn_options == {}
 
 
