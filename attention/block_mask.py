@@ -89,13 +89,25 @@ class BlockMask:
                    document_ids: torch.Tensor | None = None, block_size: int | None = None,
                    device=None) -> BlockMask:
         """The block mask of causal / sliding-window / document masking (any combination), computed
-        from the rules per block without evaluating a single element."""
+        from the rules per block without evaluating a single element. Without document ids it depends on the sizes
+        and rules alone, so one per (sizes, rules, device) is kept and given again: a model passes the same window
+        to every layer."""
         block_size = block_size or _default_block_size()
         _check_block_size(block_size)
+        window = None if window in (None, (-1, -1)) else tuple(window)
         if document_ids is not None:
-            device = document_ids.device
-            if lists_by_kernel(device):
+            if lists_by_kernel(document_ids.device):
                 return cls._from_document_lists(Tq, Tk, causal, window, document_ids, block_size)
+            return cls._from_rules(Tq, Tk, causal, window, document_ids, block_size, document_ids.device)
+        if torch.compiler.is_compiling():  # built inside the graph, where nothing is kept
+            return cls._from_rules(Tq, Tk, causal, window, None, block_size, device)
+        key = (Tq, Tk, causal, window, block_size, torch.device("cpu" if device is None else device))
+        if key not in _rule_masks:
+            _rule_masks[key] = cls._from_rules(Tq, Tk, causal, window, None, block_size, device)
+        return _rule_masks[key]
+
+    @classmethod
+    def _from_rules(cls, Tq: int, Tk: int, causal: bool, window, document_ids, block_size: int, device) -> BlockMask:
         nq, nk = -(-Tq // block_size), -(-Tk // block_size)
         q_first, q_last = _block_bounds(Tq, Tk - Tq, nq, block_size, device)  # absolute positions (bottom-right)
         k_first, k_last = _block_bounds(Tk, 0, nk, block_size, device)
@@ -113,21 +125,16 @@ class BlockMask:
         state = _mark_ragged(state, Tq, Tk, block_size)[None, None]  # (1, 1, nQ, nK)
         if document_ids is not None:
             state = torch.minimum(state, _document_state(document_ids, Tq, Tk, block_size))
-        return cls(state.to(torch.int8), Tq, Tk, block_size, causal=causal,
-                   window=None if window in (None, (-1, -1)) else tuple(window), document_ids=document_ids)
+        return cls(state.to(torch.int8), Tq, Tk, block_size, causal=causal, window=window, document_ids=document_ids)
 
     @classmethod
     def _from_document_lists(cls, Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor,
                              block_size: int) -> BlockMask:
         """from_rules with documents, and its block lists, in three launches (triton_block_lists.py): the rules'
-        states (no documents) are the same for every batch and built once per shape."""
+        states (no documents) are the same for every batch, kept by from_rules."""
         from .triton_block_lists import document_block_lists
 
-        rules = _rule_states.get((Tq, Tk, causal, window, block_size, document_ids.device))
-        if rules is None:
-            rules = cls.from_rules(Tq, Tk, causal=causal, window=window, block_size=block_size,
-                                   device=document_ids.device)
-            _rule_states[(Tq, Tk, causal, window, block_size, document_ids.device)] = rules
+        rules = cls.from_rules(Tq, Tk, causal=causal, window=window, block_size=block_size, device=document_ids.device)
         state, kv_blocks, q_blocks = document_block_lists(rules.state[0, 0], document_ids, Tq, Tk, block_size)
         mask = cls(state, Tq, Tk, block_size, causal=causal, window=rules.window, document_ids=document_ids)
         mask._lists.update(kv=kv_blocks, q=q_blocks)
@@ -250,8 +257,8 @@ class BlockMask:
                 f"rules=[{', '.join(rules)}], skipped={self.sparsity():.1%})")
 
 
-# (Tq, Tk, causal, window, block_size, device) -> the BlockMask of the rules alone, for _from_document_lists
-_rule_states: dict[tuple, BlockMask] = {}
+# (Tq, Tk, causal, window, block_size, device) -> the BlockMask of the rules alone (from_rules)
+_rule_masks: dict[tuple, BlockMask] = {}
 
 
 def lists_by_kernel(device) -> bool:

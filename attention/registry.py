@@ -57,6 +57,12 @@ def _flex_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None 
     return flex_attention_backend(q, k, v, causal, scale, mask=mask)
 
 
+def _check_flex_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"FlexAttention computes gradients on a CUDA GPU only, and this runs on {device.type}; use "
+                         "sdpa or naive there (or triton with TRITON_INTERPRET=1)")
+
+
 def _check_triton_device(device: torch.device) -> None:
     from .triton_support import check_triton_device  # on first use, as _triton_attention's import
 
@@ -80,14 +86,12 @@ _BACKENDS: dict[str, Backend] = {
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
                       varlen=_triton_varlen),
     # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
-    "flex": Backend(_flex_attention, supports_masks=True),
+    "flex": Backend(_flex_attention, supports_masks=True, check_device=_check_flex_device),
     # MoBA (moba.py, §11): causal attention to the blocks each query selects; another function than the others
     "moba": Backend(moba_backend, options={"moba_block": 512, "moba_topk": 3}, exact=False, kv_cache=False,
                     keys_per_query=moba_keys_per_query, check_options=check_moba_options,
                     check_device=_check_triton_device),
 }
-# (Tq, Tk, causal, window, device) -> BlockMask: a model passes the same window to every layer
-_rule_masks: dict[tuple, BlockMask] = {}
 # (id(document_ids), Tq, Tk, causal, window) -> (a weak reference to the ids, their version, BlockMask): a model
 # passes one batch's document ids to every layer, so the first layer's build serves the others. The version
 # (bumped by every in-place write) tells ids changed in place from the ones the mask was built from.
@@ -238,14 +242,9 @@ def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:
             raise ValueError(f"block_mask is on {block_mask.state.device} but q is on {q.device}; "
                              "build it with device=q.device")
         return block_mask.restrict(causal=causal, window=window, document_ids=document_ids)
-    if torch.compiler.is_compiling():  # the build is traced into the graph
-        return BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids, device=q.device)
-    if document_ids is not None:
+    if document_ids is not None and not torch.compiler.is_compiling():  # inside a graph the build is traced
         return _document_mask(Tq, Tk, causal, window, document_ids)
-    key = (Tq, Tk, causal, window, q.device)
-    if key not in _rule_masks:
-        _rule_masks[key] = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, device=q.device)
-    return _rule_masks[key]
+    return BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids, device=q.device)
 
 
 def _document_mask(Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor) -> BlockMask:

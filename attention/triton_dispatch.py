@@ -110,8 +110,14 @@ def _sizes(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> tuple[int
     return varlen.cu_seqlens_q.shape[0] - 1, varlen.max_seqlen_q, varlen.max_seqlen_k
 
 
-def _sequences(varlen: Varlen | None) -> tuple:
-    return (None, None) if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+def _cu_seqlens(varlen: Varlen | None) -> tuple:
+    """A varlen call's cu_seqlens, which its plan takes anew with every call; () for a dense call."""
+    return () if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k)
+
+
+def _sequence_args(varlen: Varlen | None) -> tuple:
+    """The kernels' CU_SEQLENS_Q, CU_SEQLENS_K arguments."""
+    return _cu_seqlens(varlen) or (None, None)
 
 
 def _tiles_divide(mask: MaskArgs) -> int | None:
@@ -176,7 +182,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE,
     else:
         o = q.new_empty(q.shape)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    seqs = () if varlen is None else _sequences(varlen)
+    seqs = _cu_seqlens(varlen)
     key = _plan_key("fwd", causal, mask, varlen, q, k, v, *seqs)
     _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen), q, k, v, o, lse, scale, *seqs)
     return o, lse
@@ -186,7 +192,7 @@ def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen 
     """attn_fwd's arguments, up to the constexprs."""
     Hq, Hkv, Tq, Tk = q.shape[1], k.shape[1], _rows(q, varlen), _rows(k, varlen)
     return (q, k, v, o, lse, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
-            Hq, Hq // Hkv, Tq, Tk, scale, *_mask_args(mask, mask.kv_blocks, Tq, Tk), *_sequences(varlen))
+            Hq, Hq // Hkv, Tq, Tk, scale, *_mask_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen))
 
 
 def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None) -> Callable:
@@ -230,7 +236,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
         dq, dk, dv = empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v)
     else:
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    seqs = () if varlen is None else _sequences(varlen)
+    seqs = _cu_seqlens(varlen)
     key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs)
     _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
              do, q, k, v, o, lse, dq, dk, dv, scale, *seqs)
@@ -275,10 +281,10 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
         strides = [_strides(t, varlen) for t in (q, k, v, o, do, dq, dk, dv)]
         sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
         return ((q, k, v, o, do, dq, lse, delta, *sq, *sk, *sv, *so, *sdo, *sdq, *seq_args,
-                 *_mask_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequences(call)),
+                 *_mask_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call)),
                 (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
-                 *_mask_args(mask, mask.q_blocks, rows_q, rows_k), *_sequences(call)))
-    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale, *(() if varlen is None else _sequences(varlen)))
+                 *_mask_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call)))
+    dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale, *_cu_seqlens(varlen))
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _, dq_launched = tuned_launch("dq", attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),

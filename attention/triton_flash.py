@@ -149,13 +149,8 @@ def key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr
     tiles outside [lo, end) are never loaded."""
     first = start_m + Tk - Tq  # the tile's first row's position among the keys (bottom-right aligned)
     last = first + BLOCK_M - 1
-    lo = 0
-    full_lo = 0
-    if WINDOW:  # row a sees keys >= a - window_left: the first row bounds what is loaded, the last what is whole
-        lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N
     if CAUSAL:  # row a sees keys <= a: the first row bounds the whole tiles, the last row the end
-        full_end = tl.maximum(tl.minimum(first + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        full_end = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N  # first + 1 <= Tk for a tile of real queries
         end = tl.minimum(last + 1, Tk)
     elif WINDOW:  # and keys <= a + window_right
         full_end = tl.maximum(tl.minimum(first + window_right + 1, Tk), 0) // BLOCK_N * BLOCK_N
@@ -163,7 +158,12 @@ def key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr
     else:
         full_end = Tk // BLOCK_N * BLOCK_N  # only a ragged last tile needs the mask
         end = Tk
-    full_lo = tl.minimum(full_lo, full_end)  # a window narrower than a tile leaves no whole tile
+    lo = 0
+    full_lo = 0
+    if WINDOW:  # row a sees keys >= a - window_left: the first row bounds what is loaded, the last what is whole
+        lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        # a window narrower than a tile leaves no whole tile
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N, full_end)
     return lo, full_lo, full_end, end
 
 
@@ -360,11 +360,13 @@ def attn_fwd(Q, K, V, O, LSE,
         # diagonal and the ends, masked
         lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOW)
-        for start_n in range(lo, full_lo, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
-            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
-                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+        if WINDOW:  # without one, lo = full_lo = 0 and the dense kernels carry no such loop
+            for start_n in range(lo, full_lo, BLOCK_N):
+                k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+                visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL,
+                                        WINDOW)
+                acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                          stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
@@ -593,11 +595,13 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     else:
         lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOW)  # §6, as in the forward
-        for start_n in range(lo, full_lo, BLOCK_N):
-            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
-            visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
-            dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+        if WINDOW:  # as in the forward
+            for start_n in range(lo, full_lo, BLOCK_N):
+                k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+                visible = _rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL,
+                                        WINDOW)
+                dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                              Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_lo, full_end, BLOCK_N):
             dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                           stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)

@@ -16,7 +16,7 @@ sequence (they read cu_seqlens on the host).
 """
 import torch
 
-from .inputs import SUPPORTED_DTYPES
+from .inputs import check_matching, check_scale
 from .masks import check_window
 from .registry import attention, get_backend
 
@@ -68,21 +68,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, head_dim) as in flash_attn_varlen_func, got "
                              f"{shape}; pack (B, T, H, D) sequences with .reshape(B * T, H, D) or unpad them")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; use one of float16, bfloat16, float32, float64")
         if 0 in t.shape[1:]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}: heads and head_dim must be at least 1")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them with .to()")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q has head_dim {q.shape[2]} but k/v have {k.shape[2]}; query and key head dims must match")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: the number of query heads must be a "
-                         "multiple of the number of key/value heads (grouped-query attention)")
+    check_matching(q, k, v)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not (isinstance(cu, torch.Tensor) and cu.dtype == torch.int32 and cu.dim() == 1 and cu.numel() >= 2):
             kind = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
@@ -99,9 +87,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              "compute it once per batch where the lengths are known, e.g. in the data loader")
     if dropout_p:
         raise ValueError(f"dropout_p={dropout_p}: nanoflash attention has no dropout; pass 0.0")
-    finite = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool) and softmax_scale > 0
-    if softmax_scale is not None and not (finite and softmax_scale < float("inf")):
-        raise ValueError(f"softmax_scale must be a positive number or None (1/sqrt(head_dim)), got {softmax_scale!r}")
+    check_scale(softmax_scale, "softmax_scale")
     if q.device.type == "cpu" and not torch.compiler.is_compiling():  # no GPU to wait for: check the offsets
         for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
                                          ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):

@@ -10,7 +10,7 @@ forward+backward through autograd:
                      block mask comes from the per-ids cache (built by the first call, untimed)
     prebuilt         attention(..., block_mask=mask), the mask built once (untimed)
     varlen           attention_varlen over the (B*T, H, D) rows and the documents' cu_seqlens
-    flex             FlexAttention (compiled), its block mask built once (untimed)
+    flex             the flex backend (FlexAttention, compiled) on the same BlockMask, converted once (untimed)
     dense causal     attention(..., causal=True) on whole rows: what masking saves
     prebuilt again   prebuilt once more: an A/A pair, the run's own noise
 Builds, timed on their own: our BlockMask with its block lists (what a training step builds once) and Flex's
@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 
 from attention import BlockMask, attention, attention_varlen
 from benchmarks.attention import DTYPES, comma_list, median_ms, warm_up_gpu
+from benchmarks.sparse import visible_pairs
 from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, write_json
 
 GRIDS = {"gpu": {"seq_lens": [4096, 16384], "head_dims": [64, 128], "tokens": 16384, "width": 2048},
@@ -58,19 +59,6 @@ def cu_seqlens(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32), int(lengths.max())
 
 
-def flex_documents(document_ids: torch.Tensor, B: int, T: int, device):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def same_document(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (document_ids[b, q_idx] == document_ids[b, kv_idx])
-
-    def build():
-        return create_block_mask(same_document, B=B, H=None, Q_LEN=T, KV_LEN=T, device=device)
-    run = torch.compile(flex_attention, dynamic=False)
-    mask = build()
-    return (lambda q, k, v: run(q, k, v, block_mask=mask)), build
-
-
 def implementations(ids: torch.Tensor, B: int, T: int, device, flex: bool) -> tuple[dict, dict]:
     """-> (name -> fn(q, k, v) on (B, H, T, D) views, or on (B*T, H, D) rows for varlen; name -> a build to time)."""
     mask = BlockMask.from_rules(T, T, causal=True, document_ids=ids)
@@ -89,8 +77,11 @@ def implementations(ids: torch.Tensor, B: int, T: int, device, flex: bool) -> tu
         built = BlockMask.from_rules(T, T, causal=True, document_ids=ids)
         return built.kv_blocks(), built.q_blocks()
     builds = {"ours": our_build}
-    if flex:
-        fns["flex"], builds["flex"] = flex_documents(ids, B, T, device)
+    if flex:  # the registry's flex backend converts the BlockMask into Flex's once; the build is that conversion
+        from attention.flex import flex_block_mask
+
+        fns["flex"] = lambda q, k, v: attention(q, k, v, backend="flex", block_mask=mask)
+        builds["flex"] = lambda: flex_block_mask(mask)
     return fns, builds
 
 
@@ -116,7 +107,7 @@ def measure_cell(B, T, H, D, args, device, dtype) -> dict:
     for order in rotations(list(builds), args.rounds):
         for name in order:
             build_times[name].append(median_ms(builds[name], [], device, args.rep_ms))
-    pairs = int(sum(n * (n + 1) // 2 for row in ids.cpu() for n in torch.unique_consecutive(row, return_counts=True)[1]))
+    pairs = visible_pairs("documents", B, T, args, ids)
     return {"B": B, "T": T, "H": H, "D": D, "visible_pairs": pairs,
             "ms": {name: statistics.median(t) for name, t in times.items()}, "rounds_ms": times,
             "build_ms": {name: statistics.median(t) for name, t in build_times.items()}}

@@ -74,7 +74,8 @@ def test_flex_masks_are_built_once_and_go_with_the_block_mask(monkeypatch):
     built, create = [], flex.create_block_mask
     monkeypatch.setattr(flex, "create_block_mask", lambda *args, **kwargs: built.append(1) or create(*args, **kwargs))
     q, k, v = qkv(Tq=41, Tk=41, seed=0)
-    mask = BlockMask.from_rules(41, 41, causal=True, window=(8, 0))
+    ids = torch.tensor([[0] * 20 + [1] * 21])  # a step's documents: a mask of its own, as a model builds per step
+    mask = BlockMask.from_rules(41, 41, causal=True, window=(8, 0), document_ids=ids)
     for _ in range(3):  # as the layers of one step
         attention(q, k, v, backend="flex", block_mask=mask)
         attention(q, k, v, backend="flex", causal=True)
