@@ -20,6 +20,7 @@ once here and stored as (block_size, block_size) booleans that the kernel reads.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -235,6 +236,25 @@ class BlockMask:
             self._lists["q"] = _block_lists(self.state.transpose(-1, -2), self._tile_ids().transpose(-1, -2))
         return self._lists["q"]
 
+    def only_documents(self) -> bool:
+        """Whether the mask is documents alone, causal or not, over as many queries as keys: what the Hopper kernels
+        keep to themselves from each position's span (§14), without block lists."""
+        return (self.document_ids is not None and self.window is None and self.mask_fn is None
+                and self.Tq == self.Tk)
+
+    def document_spans(self) -> torch.Tensor:
+        """(B, 2, T) int32: each position's document, [first, end) (triton_block_lists.spans_of_runs; -1 and T
+        throughout a batch row whose ids ever decrease). Built once, for only_documents() masks."""
+        if "spans" not in self._lists:
+            ids = self.document_ids
+            if lists_by_kernel(ids.device):
+                from .triton_block_lists import document_spans
+
+                self._lists["spans"] = document_spans(ids)
+            else:  # inside torch.compile: Inductor fuses these
+                self._lists["spans"] = _spans_of_runs(ids)
+        return self._lists["spans"]
+
     def _tile_ids(self) -> torch.Tensor:
         if self.tile_ids is not None:
             return self.tile_ids
@@ -306,6 +326,53 @@ def _document_state(document_ids: torch.Tensor, Tq: int, Tk: int, block_size: in
     skip = (qhi < klo) | (khi < qlo)
     full = (qlo == qhi) & (klo == khi) & (qlo == klo)
     return torch.where(full, FULL, torch.where(skip, SKIP, PARTIAL)).to(torch.int8)[:, None]
+
+
+def _spans_of_runs(ids: torch.Tensor) -> torch.Tensor:
+    """triton_block_lists.spans_of_runs in torch operations: (B, T) ids -> (B, 2, T) int32 spans."""
+    T = ids.shape[1]
+    pos = torch.arange(T, device=ids.device, dtype=torch.int32)
+    changes = ids[:, 1:] != ids[:, :-1]  # (B, T - 1): position t + 1 starts a run
+    edge = torch.ones_like(ids[:, :1], dtype=torch.bool)
+    first = torch.where(torch.cat([edge, changes], 1), pos, 0).cummax(1).values
+    end = torch.where(torch.cat([changes, edge], 1), pos + 1, T).flip(1).cummin(1).values.flip(1)
+    runs = (ids[:, 1:] >= ids[:, :-1]).all(1, keepdim=True)
+    return torch.stack([torch.where(runs, first, -1), torch.where(runs, end, T)], 1).to(torch.int32)
+
+
+def sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(1, 2, total) int32 spans of packed sequences (§14): row t's sequence [first, end) from the (n + 1,) offsets,
+    without reading them on the host. Kept per cu_seqlens tensor (as a model passes one to every layer)."""
+    return kept_per_tensor(cu_seqlens, ("spans", total), lambda: _sequence_spans(cu_seqlens, total))
+
+
+def _sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    rows = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    # the last offset at or before each row: empty sequences (repeated offsets) hold no row
+    sequence = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(max=cu_seqlens.shape[0] - 2)
+    return torch.stack([cu_seqlens[sequence], cu_seqlens[sequence + 1]])[None].to(torch.int32)
+
+
+# (id(tensor), key) -> (a weak reference to the tensor, its version, the value): what is built from a tensor that
+# callers pass again and again (a batch's document ids or cu_seqlens, to every layer); the version (bumped by every
+# in-place write) tells a tensor changed in place from the one the value was built from
+_per_tensor: dict[tuple, tuple[weakref.ref, int, object]] = {}
+KEPT_PER_TENSOR = 8
+
+
+def kept_per_tensor(tensor: torch.Tensor, key: tuple, build: Callable):
+    """build() once per (tensor, key) while the tensor is alive and unchanged; the last KEPT_PER_TENSOR kept."""
+    if torch.compiler.is_compiling():  # inside a graph the build is traced, nothing kept
+        return build()
+    full_key = (id(tensor), *key)
+    kept = _per_tensor.get(full_key)
+    if kept is not None and kept[0]() is tensor and kept[1] == tensor._version:
+        return kept[2]
+    value = build()
+    if len(_per_tensor) >= KEPT_PER_TENSOR:
+        del _per_tensor[next(iter(_per_tensor))]  # the oldest: batches come and go
+    _per_tensor[full_key] = (weakref.ref(tensor), tensor._version, value)
+    return value
 
 
 def _padded(mask_fn: Callable, row0: int, Tq: int, Tk: int, device) -> Callable:

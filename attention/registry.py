@@ -3,13 +3,12 @@
 A backend is a function and what it can do (Backend): the model and the benchmarks treat every backend one way and
 ask this table what a backend takes (masks, a packed qkv tensor, options of its own) instead of naming backends.
 """
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from .block_mask import BlockMask
+from .block_mask import BlockMask, kept_per_tensor
 from .compiled import compiled_attention
 from .inputs import check_qkv, check_qkv_packed, unpack_qkv
 from .masks import check_document_ids, check_window
@@ -92,13 +91,6 @@ _BACKENDS: dict[str, Backend] = {
                     keys_per_query=moba_keys_per_query, check_options=check_moba_options,
                     check_device=_check_triton_device),
 }
-# (id(document_ids), Tq, Tk, causal, window) -> (a weak reference to the ids, their version, BlockMask): a model
-# passes one batch's document ids to every layer, so the first layer's build serves the others. The version
-# (bumped by every in-place write) tells ids changed in place from the ones the mask was built from.
-_document_masks: dict[tuple, tuple[weakref.ref, int, BlockMask]] = {}
-DOCUMENT_MASKS_KEPT = 8
-
-
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
@@ -249,12 +241,5 @@ def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:
 
 def _document_mask(Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor) -> BlockMask:
     """BlockMask.from_rules for these document ids, built once for all the calls that pass the same ids tensor."""
-    key = (id(document_ids), Tq, Tk, causal, window)
-    kept = _document_masks.get(key)
-    if kept is not None and kept[0]() is document_ids and kept[1] == document_ids._version:
-        return kept[2]
-    mask = BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids)
-    if len(_document_masks) >= DOCUMENT_MASKS_KEPT:
-        del _document_masks[next(iter(_document_masks))]  # the oldest: batches come and go
-    _document_masks[key] = (weakref.ref(document_ids), document_ids._version, mask)
-    return mask
+    return kept_per_tensor(document_ids, ("mask", Tq, Tk, causal, window),
+                           lambda: BlockMask.from_rules(Tq, Tk, causal=causal, window=window, document_ids=document_ids))

@@ -1,7 +1,8 @@
-"""A document mask's block lists in three launches (§10 of docs/flash_attention.md): what a training step with
---doc_mask builds once for all its layers.
+"""A document mask's block lists in three launches (§10 of docs/flash_attention.md), and its spans in one (§14):
+what a training step with --doc_mask builds once for all its layers.
 
     state, kv_blocks, q_blocks = document_block_lists(rule_state, document_ids, Tq, Tk, block_size)
+    spans = document_spans(document_ids)      # (B, 2, T): each position's document [first, end), for the Hopper kernels
 
 block_mask.py builds the same lists with torch operations (BlockMask.from_rules, then _block_lists); that takes
 about a hundred small kernels, each a launch of host time, so on the GPU the documents' lists come from here:
@@ -9,6 +10,8 @@ about a hundred small kernels, each a launch of host time, so on the GPU the doc
   listed_blocks          a program per (block row, batch row): each block's state, the minimum of the rules' state
                          (causal, window; the same for every batch) and the documents' (from the id bounds), then
                          the row's list: [n_full, n_listed, FULL blocks, PARTIAL blocks, SKIP blocks, tile ids]
+  spans_of_runs          a program per batch row: whether its ids are runs, then each position's run by a running
+                         maximum forwards (first) and a running minimum backwards (end)
 """
 import torch
 import triton
@@ -88,3 +91,55 @@ def document_block_lists(rule_state: torch.Tensor, document_ids: torch.Tensor, T
     listed_blocks[(nk, B)](rules, rules.stride(1), rules.stride(0), k_lo, k_hi, q_lo, q_hi, q_blocks, state, nk, nq,
                            WRITE_STATE=False, COLS=triton.next_power_of_2(nq))
     return state, kv_blocks, q_blocks
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def spans_of_runs(IDS, SPANS, stride_b, T, BLOCK: tl.constexpr):
+    """SPANS (B, 2, T) int32 for one batch row: [0, t] the first position of t's run of equal ids, [1, t] one past its
+    last. A row whose ids ever decrease is not certain to hold each document in one run: -1 and T throughout, so the
+    kernels compare ids there (§14)."""
+    b = tl.program_id(0)
+    ids_row = IDS + b.to(tl.int64) * stride_b
+    first_row = SPANS + b.to(tl.int64) * 2 * T
+    falls = 0
+    for start in range(0, T, BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        inside = (pos > 0) & (pos < T)
+        falls += tl.sum((inside & (tl.load(ids_row + pos, mask=inside) < tl.load(ids_row + pos - 1, mask=inside)))
+                        .to(tl.int32), 0)
+    runs = falls == 0
+    reached = 0  # the first position of the run the last block ended in
+    for start in range(0, T, BLOCK):
+        pos = start + tl.arange(0, BLOCK)
+        inside = (pos > 0) & (pos < T)
+        starts = (pos == 0) | (tl.load(ids_row + pos, mask=inside) != tl.load(ids_row + pos - 1, mask=inside))
+        first = tl.maximum(tl.associative_scan(tl.where(starts, pos, 0), 0, _maximum), reached)
+        reached = tl.max(first, 0)
+        tl.store(first_row + pos, tl.where(runs, first, -1), mask=pos < T)
+    reached = T  # one past the run the last block (walking backwards) ended in
+    for start in range(0, T, BLOCK):
+        pos = T - 1 - start - tl.arange(0, BLOCK)  # backwards
+        inside = (pos >= 0) & (pos < T - 1)
+        ends = (pos == T - 1) | (tl.load(ids_row + pos, mask=inside) != tl.load(ids_row + pos + 1, mask=inside))
+        end = tl.minimum(tl.associative_scan(tl.where(ends, pos + 1, T), 0, _minimum), reached)
+        reached = tl.min(end, 0)
+        tl.store(first_row + T + pos, tl.where(runs, end, T), mask=pos >= 0)
+
+
+def document_spans(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids (B, T) integer -> (B, 2, T) int32 spans (spans_of_runs)."""
+    B, T = document_ids.shape
+    ids = document_ids if document_ids.stride(-1) == 1 else document_ids.contiguous()
+    spans = torch.empty(B, 2, T, dtype=torch.int32, device=ids.device)
+    spans_of_runs[(B,)](ids, spans, ids.stride(0), T, BLOCK=1024)
+    return spans

@@ -78,6 +78,9 @@ class MaskArgs(NamedTuple):
     document_ids: torch.Tensor | None = None  # (B, Tk) integer
     tile_bits: torch.Tensor | None = None  # (n_tiles, block, block) uint8
     block_size: int = 16  # unused when dense
+    # (B, 2, T) int32, each position's document [first, end) (§14): where the Hopper kernels may keep attention
+    # inside documents themselves (documents alone, Tq == Tk, on an sm_90 GPU); None elsewhere
+    spans: torch.Tensor | None = None
 
 
 DENSE = MaskArgs()
@@ -153,11 +156,25 @@ def forget_plans() -> None:
 def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *tensors: torch.Tensor) -> tuple | None:
     """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call.
     A varlen call's cu_seqlens are among its tensors (its plan takes them anew), its longest lengths in the key."""
-    if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits)):
+    if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, mask.spans)):
         return None
     return (kind, causal, mask.window, mask.block_size, varlen and varlen[2:], HOPPER_MODE, TMA_MODE,
             torch.are_deterministic_algorithms_enabled(), tensors[0].device,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def _hopper_documents(mask: MaskArgs, varlen: Varlen | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The Hopper kernels' documents (spans, ids) (§14), or None: a varlen call's sequences are its documents, and
+    their first positions serve as their ids."""
+    if mask.spans is None:
+        return None
+    return mask.spans, mask.spans[:, 0] if varlen is not None else mask.document_ids
+
+
+def _as_batch(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """A varlen call's (total, H, D) rows, and its (H, total) lse, as one batch entry: (1, H, total, D), (1, H, total)
+    views, which the Hopper kernels take with documents (§14)."""
+    return [t.unsqueeze(0) if t.dim() == 2 else t.unsqueeze(0).transpose(1, 2) for t in tensors]
 
 
 def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
@@ -200,13 +217,16 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, D = q.shape[1], q.shape[-1]
     hopper = None
-    if (varlen is None and HOPPER_MODE != "0"
-            and triton_hopper.supports(q, k, v, dense=mask.kv_blocks is None)):
-        tiles = triton_hopper.TILES[D]
+    # §12 the warp-specialized kernel: dense calls, and §14 documents (varlen ones as one batch entry)
+    documents = _hopper_documents(mask, varlen)
+    call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
+    if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
+            and triton_hopper.supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
+        tiles = triton_hopper.TILES[D] if documents is None else triton_hopper.document_tiles(D)
         if HOPPER_MODE == "1":
-            return triton_hopper.forward(q, k, v, o, lse, causal, scale, tiles[0]).again
-        hopper = (tiles, lambda tile: triton_hopper.forward(q, k, v, o, lse, causal, scale, tile),
-                  (q, k, v, o, lse, scale))
+            return triton_hopper.forward(*call, causal, scale, tiles[0], documents).again  # (documents: no plan kept)
+        hopper = (tiles, lambda tile: triton_hopper.forward(*call, causal, scale, tile, documents),
+                  (*call, scale, documents))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = varlen is None and use_tma(q, k, v, o)
@@ -215,7 +235,7 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
                                     _constants(q, causal, mask, varlen), Tq, Tk, q.dtype, _tiles_divide(mask),
                                     loads=("tma", "pointers") if tma else ("pointers",), hopper=hopper)
     if choice[1] == "hopper":
-        return launched.again
+        return launched.again  # calls with documents keep no plan (_plan_key), so only dense ones repeat it
 
     def again(q, k, v, o, lse, scale, *seqs):
         if tma:
@@ -250,16 +270,26 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     D = q.shape[-1]
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
-    # depend on the order the adds land in
-    if (varlen is None and HOPPER_MODE != "0" and not torch.are_deterministic_algorithms_enabled()
-            and triton_hopper_backward.supports(q, k, v, o, do, (dq, dk, dv), dense=mask.kv_blocks is None)):
-        hopper = functools.partial(triton_hopper_backward.backward, do, q, k, v, o, lse, dq, dk, dv, causal, scale)
-        tiles = triton_hopper_backward.tiles(D, dk, dv)
+    # depend on the order the adds land in. It takes dense calls and §14 documents (varlen ones as one batch entry)
+    documents = _hopper_documents(mask, varlen)
+    call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
+    batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
+    if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
+            and not torch.are_deterministic_algorithms_enabled()
+            and triton_hopper_backward.supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
+                                                dense=mask.kv_blocks is None or documents is not None)):
+        def hopper(tile):  # -> its Launched: a dense call's again is its plan; with documents (no plan kept,
+            launched = triton_hopper_backward.backward(*call, causal, scale, tile, documents)  # _plan_key) this call
+            if documents is None:
+                return launched
+            return launched._replace(again=lambda *_: launched.again(*call, scale, documents))
+        tiles = triton_hopper_backward.tiles(D, *batch_grads[1:])
         if HOPPER_MODE == "1":
             tile = tiles[0]
         else:
             tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
-                                   hopper, tiles, D, causal, q.dtype, Tq, Tk, (do, q, k, v, o, lse, dq, dk, dv, scale))
+                                   hopper, tiles, D, causal, documents is not None, q.dtype, Tq, Tk,
+                                   (do, q, k, v, o, lse, dq, dk, dv, scale, *_cu_seqlens(varlen)))
         if tile is not None:
             return hopper(tile).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen)

@@ -63,6 +63,12 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
 TILES = {64: [(128, 3, 3, True, 2), (128, 3, 3, False, 2), (128, 2, 2, True, 2), (128, 3, 3, True, 3),
               (128, 3, 3, False, 3)],
          128: [(128, 3, 3, True, 2), (64, 3, 3, True, 2), (128, 3, 2, True, 2)]}
+def document_tiles(head_dim: int) -> list[tuple]:
+    """The tiles that keep attention inside documents (§14): two consumers. Three, with 160 registers each, have none
+    to spare for the document bounds and spill in the main loop; and documents shorten the rows that three serve."""
+    return [tile for tile in TILES[head_dim] if tile[4] == 2]
+
+
 ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 rows tall (constexpr: kernels read it)
 # registers per thread, by consumer count: for the launch (the warps, the producer's one padded to four, fill the
 # register file), then per consumer after setmaxnreg moves them from the producer, which needs few (PRODUCER_REGS),
@@ -97,24 +103,41 @@ if gluon is not None:
         return per_turn * mine - gl.where(last_is_short, per_turn - n_work % per_turn, 0)
 
     @gluon.jit
-    def _work_item(t, per_turn, n_m_tiles, Tk, diag, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-        """This program's t-th work item -> (batch*head, first query row, key tiles to visit). The query tiles of
-        one (batch, head) are consecutive items, so the programs running at the same time share their K and V in L2.
-        Under the causal mask a tile's work grows with its position (§12 "A persistent grid"): a program per item
-        takes them last (longest) first; a persistent program takes pairs, ordered last, first, second last,
-        second, ..., so a pair is a long and a short tile whose key tiles add up to the same count for every pair,
-        and every program's share is as long as any other's."""
+    def document_span(SPANS, b, row, T):
+        """-> (first, end) of the document that holds `row` of batch entry b: its first position and the one past its
+        last (§14 "Documents on the Hopper kernels"). SPANS (B, 2, T) int32; first is -1 throughout a batch entry
+        whose ids are not runs (an id that comes back after another), whose end is then T."""
+        base = SPANS + b.to(gl.int64) * 2 * T
+        return gl.load(base + row), gl.load(base + T + row)
+
+    @gluon.jit
+    def _work_item(t, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                   DOCUMENTS: gl.constexpr):
+        """This program's t-th work item -> (batch*head, first query row, first and end key tile to visit). The query
+        tiles of one (batch, head) are consecutive items, so the programs running at the same time share their K and
+        V in L2. Under the causal mask a tile's work grows with its position (§12 "A persistent grid"): a program
+        per item takes them last (longest) first; a persistent program takes pairs, ordered last, first, second
+        last, second, ..., so a pair is a long and a short tile whose key tiles add up to the same count for every
+        pair, and every program's share is as long as any other's. With DOCUMENTS the key tiles run from the one
+        holding the first row's document start to the last row's last key in its document (§14)."""
         w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
         bh = w // n_m_tiles
         rank = w % n_m_tiles
         start_m = gl.where((per_turn == 2) & (rank % 2 == 1), rank // 2, n_m_tiles - 1 - rank // per_turn) * BLOCK_M
         # §6 the key tiles the tile's last row sees; at least one, so each consumer has a tile to wait for
-        n_tiles = gl.maximum(gl.cdiv(gl.minimum(start_m + BLOCK_M - 1 + diag, Tk - 1) + 1, BLOCK_N), 1)
-        return bh, start_m, n_tiles
+        last_row = gl.minimum(start_m + BLOCK_M, Tq) - 1
+        last_key = gl.minimum(last_row + diag, Tk - 1)
+        first_tile = 0
+        if DOCUMENTS:
+            first_key, _ = document_span(SPANS, bh // H, start_m, Tq)
+            _, last_end = document_span(SPANS, bh // H, last_row, Tq)
+            last_key = gl.minimum(last_key, last_end - 1)
+            first_tile = gl.maximum(first_key, 0) // BLOCK_N
+        return bh, start_m, first_tile, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1)
 
     @gluon.jit
     def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tk, diag):
+                    v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS):
         """The producer warp: for each of the program's work items, Q (once every consumer is done with the
         previous item's), then K_j, V_j. With one ring (K_STAGES == V_STAGES) both into slot j % STAGES, counted
         in by one barrier. With split rings (V_STAGES < K_STAGES) each into its own, K a tile ahead: K_0, K_1,
@@ -128,10 +151,13 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = k_smem.shape[1]
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         SPLIT: gl.constexpr = v_smem.shape[0] < k_smem.shape[0]
+        DOCUMENTS: gl.constexpr = SPANS is not None  # §14 (None survives the hand-over as a constant; False does not)
         loaded = 0  # key tiles loaded so far, over all items: tile number t goes to slot t % (its ring's slots)
         for item in range(_items(n_work, per_turn)):
-            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
+            bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
+                                                           BLOCK_M, DOCUMENTS)
             b, h = bh // H, bh % H
+            ring0 = loaded - first_tile  # key tile j of this item is ring tile number ring0 + j
             # the item's Q buffer, once every consumer is done with the item it held before; a fresh mbarrier counts
             # as having completed the phase before phase 0: the first waits pass at once
             buffer = item % Q_BUFFERS
@@ -140,20 +166,20 @@ if gluon is not None:
             for wg in gl.static_range(CONSUMERS):
                 tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
                           q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
-            for j in range(n_tiles):
+            for j in range(first_tile, end_tile):
                 if SPLIT:
-                    _load_tile(k_desc, k_smem, k_ready, k_empty, loaded + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
-                    if j > 0:
-                        _load_tile(v_desc, v_smem, v_ready, v_empty, loaded + j - 1,
+                    _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
+                    if j > first_tile:
+                        _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + j - 1,
                                    [b, h // GROUP, (j - 1) * BLOCK_N, 0], 1)
                 else:
-                    slot = _load_tile(k_desc, k_smem, k_ready, k_empty, loaded + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
+                    slot = _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
                     tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
                               v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
             if SPLIT:
-                _load_tile(v_desc, v_smem, v_ready, v_empty, loaded + n_tiles - 1,
-                           [b, h // GROUP, (n_tiles - 1) * BLOCK_N, 0], 1)
-            loaded += n_tiles
+                _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + end_tile - 1,
+                           [b, h // GROUP, (end_tile - 1) * BLOCK_N, 0], 1)
+            loaded += end_tile - first_tile
 
     @gluon.jit
     def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
@@ -192,14 +218,45 @@ if gluon is not None:
             mbarrier.arrive(k_empty.index(slot), count=1)
 
     @gluon.jit
-    def _mask_keys(s, first_row, start_n, diag, Tk, s_layout: gl.constexpr):
+    def _needs_mask(start_n, mask_from, every_from, BLOCK_N: gl.constexpr, DOCUMENTS: gl.constexpr):
+        """Whether the key tile at start_n holds a key some row of the warpgroup does not see: one past mask_from
+        (the first key not every row sees at the top, §6), or with DOCUMENTS one before every_from (the first key
+        every row's document holds, §14)."""
+        masked = start_n + BLOCK_N > mask_from
+        if DOCUMENTS:
+            masked = masked | (start_n < every_from)
+        return masked
+
+    @gluon.jit
+    def same_document(positions, others, b, T, SPANS, IDS, stride_ids):
+        """§14 (P, O) whether position p and position o of batch entry b lie in one document: o inside p's span, and
+        where the entry's ids are not runs, the same id; never for positions past T. positions (P,) and others (O,)
+        in the slices of one layout. The spans are read here, for the few masked tiles, so that nothing per row or
+        key stays in registers over the loop; P is the side whose vectors cost fewer registers per thread."""
+        spans_b = SPANS + b.to(gl.int64) * 2 * T
+        real = positions < T
+        first = gl.load(spans_b + positions, mask=real, other=T)
+        end = gl.load(spans_b + T + positions, mask=real, other=0)
+        inside = (others[None, :] >= first[:, None]) & (others[None, :] < end[:, None])
+        if gl.load(spans_b) != 0:  # not runs (first -1 throughout): compare ids
+            ids_b = IDS + b.to(gl.int64) * stride_ids
+            inside = inside & (gl.load(ids_b + positions, mask=real, other=0)[:, None]
+                               == gl.load(ids_b + others, mask=others < T, other=0)[None, :])
+        return inside
+
+    @gluon.jit
+    def _mask_keys(s, first_row, start_n, diag, Tk, b, SPANS, IDS, stride_ids, s_layout: gl.constexpr):
         """s (ROWS, N) with -inf past each row's last visible key, min(row + diag, Tk - 1) (§6: diag = Tk - Tq
-        under the causal mask; Tk otherwise, when only a ragged last tile's zero rows are hidden)."""
+        under the causal mask; Tk otherwise, when only a ragged last tile's zero rows are hidden), and with SPANS
+        (§14) outside each row's document (same_document)."""
         BLOCK_N: gl.constexpr = s.shape[1]
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
         last_key = gl.minimum(rows + diag, Tk - 1)
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,)
-        return gl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
+        visible = keys[None, :] <= last_key[:, None]
+        if SPANS is not None:
+            visible = visible & same_document(rows, keys, b, Tk, SPANS, IDS, stride_ids)
+        return gl.where(visible, s, float("-inf"))
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale):
@@ -214,7 +271,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
-                      diag, qk_scale):
+                      diag, qk_scale, SPANS, IDS, stride_ids):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
         and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
         attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
@@ -228,6 +285,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = CONSUMERS * ROWS
         O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N,
                                            HEAD_DIM)  # as attn_fwd_ws allocated
+        DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
         # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -252,21 +310,34 @@ if gluon is not None:
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, HALF_N, 16])
         half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
-        seen_tiles = 0  # key tiles of earlier items: this item's tile j is ring tile number seen_tiles + j
+        seen_tiles = 0  # key tiles of earlier items
         for item in range(_items(n_work, per_turn)):
-            bh, start_m, n_tiles = _work_item(item, per_turn, n_m_tiles, Tk, diag, BLOCK_N, BLOCK_M)
+            bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
+                                                           BLOCK_M, DOCUMENTS)
+            ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
             first_row = start_m + WG * ROWS
             # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
             # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
             # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
             # and Tq = 1024, two of them) store nothing: they take one tile and release the others unread.
-            n_mine = gl.where(first_row < Tq,
-                              gl.maximum(gl.cdiv(gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) + 1, BLOCK_N), 1), 1)
+            last_row = gl.minimum(first_row + ROWS, Tq) - 1
+            last_key = gl.minimum(last_row + diag, Tk - 1)
             mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
-            # key tiles taken whole: all but a last one of which no row sees past the first half (and not tile 0),
+            # §14 documents: the first key every row's document holds (tiles before it are masked; all of them where
+            # the ids are not runs) and the end of the first row's (tiles past it are masked)
+            every_from = 0
+            if DOCUMENTS:
+                every_from, last_end = document_span(SPANS, bh // H, last_row, Tq)
+                every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
+                last_key = gl.minimum(last_key, last_end - 1)
+                _, first_end = document_span(SPANS, bh // H, gl.minimum(first_row, Tq - 1), Tq)
+                mask_from = gl.minimum(mask_from, first_end)
+            n_mine = gl.where(first_row < Tq, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1),
+                              first_tile + 1)
+            # key tiles taken whole: all but a last one of which no row sees past the first half (and not the first),
             # where HALF_TILES
-            last_seen = gl.minimum(first_row + ROWS - 1 + diag, Tk - 1) - (n_mine - 1) * BLOCK_N  # in the last tile
-            n_full = gl.where(HALF_TILES & (n_mine > 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
+            last_seen = last_key - (n_mine - 1) * BLOCK_N  # in the last tile
+            n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
             buffer = item % Q_BUFFERS
             mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
             if Q_IN_REGISTERS:
@@ -286,25 +357,26 @@ if gluon is not None:
                                     gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
             _k_done(k_empty, k_slot, SPLIT)
-            if BLOCK_N > mask_from:
-                s = _mask_keys(s, first_row, 0, diag, Tk, s_layout)
+            if _needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+                s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids,
+                               s_layout)
             m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
             p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
             l_i = gl.sum(p, 1)
             acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-            for j in range(1, n_full):
+            for j in range(first_tile + 1, n_full):
                 prev = k_slot
-                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + j)
+                k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
                 s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
                                         gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-                v_slot = _v_slot(v_smem, v_ready, seen_tiles + j - 1, prev, SPLIT)
+                v_slot = _v_slot(v_smem, v_ready, ring0 + j - 1, prev, SPLIT)
                 o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
                 _k_done(k_empty, k_slot, SPLIT)
-                if (j + 1) * BLOCK_N > mask_from:
-                    s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, s_layout)
+                if _needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+                    s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
                 # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
@@ -319,17 +391,18 @@ if gluon is not None:
                 # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile at the
                 # diagonal")
                 prev = k_slot
-                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + n_full)
+                k_slot = _wait_tile(k_smem, k_ready, ring0 + n_full)
                 p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
                 k_half = k_smem.index(k_slot).slice(0, HALF_N)  # (N/2, D)
                 half_token = warpgroup_mma(q, k_half.permute((1, 0)),
                                            gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
                                            is_async=True)
-                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full - 1, prev, SPLIT)
+                v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, prev, SPLIT)
                 o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
                 s_half = warpgroup_mma_wait(1, deps=[half_token])
                 _k_done(k_empty, k_slot, SPLIT)
-                s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tk, half_layout)
+                s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids,
+                                    half_layout)
                 p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
                                                               gl.convert_layout(l_i, half_rows), qk_scale)
                 m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
@@ -337,23 +410,23 @@ if gluon is not None:
                 mbarrier.arrive(v_empty.index(v_slot), count=1)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full, k_slot, SPLIT)
+                v_slot = _v_slot(v_smem, v_ready, ring0 + n_full, k_slot, SPLIT)
                 o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
                                         v_smem.index(v_slot).slice(0, HALF_N), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
             else:
                 if not Q_IN_REGISTERS:
                     mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-                v_slot = _v_slot(v_smem, v_ready, seen_tiles + n_full - 1, k_slot, SPLIT)
+                v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, k_slot, SPLIT)
                 o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(v_slot), acc,
                                         is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(v_empty.index(v_slot), count=1)
-            for j in range(n_mine, n_tiles):  # tiles only the other warpgroups' rows see: release them unread
-                k_slot = _wait_tile(k_smem, k_ready, seen_tiles + j)
+            for j in range(n_mine, end_tile):  # tiles only the other warpgroups' rows see: release them unread
+                k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
                 _k_done(k_empty, k_slot, SPLIT)
-                mbarrier.arrive(v_empty.index(_v_slot(v_smem, v_ready, seen_tiles + j, k_slot, SPLIT)), count=1)
-            seen_tiles += n_tiles
+                mbarrier.arrive(v_empty.index(_v_slot(v_smem, v_ready, ring0 + j, k_slot, SPLIT)), count=1)
+            seen_tiles += end_tile - first_tile
 
             # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
             l_o = gl.convert_layout(l_i, o_rows)
@@ -386,31 +459,35 @@ if gluon is not None:
     @gluon.jit
     def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale):
+                        qk_scale, SPANS, IDS, stride_ids):
         _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                      SPANS, IDS, stride_ids)
 
     @gluon.jit
     def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale):
+                        qk_scale, SPANS, IDS, stride_ids):
         _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                      SPANS, IDS, stride_ids)
 
     @gluon.jit
     def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale):
+                        qk_scale, SPANS, IDS, stride_ids):
         _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale)
+                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                      SPANS, IDS, stride_ids)
 
     @gluon.jit
     def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
-                     scale, n_work, per_turn, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     scale, n_work, per_turn, SPANS, IDS, stride_ids, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                     V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
         walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
-        consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward())."""
+        consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
+        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
@@ -451,9 +528,9 @@ if gluon is not None:
 
         consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                          O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                         scale * 1.4426950408889634)
+                         scale * 1.4426950408889634, SPANS, IDS, stride_ids)
         producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tk, diag)
+                         v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS)
         # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
         if CONSUMERS == 3:
             gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
@@ -462,6 +539,12 @@ if gluon is not None:
         else:
             gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
                                 (_load_tiles, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def document_args(documents: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
+    """The kernels' SPANS, IDS, stride_ids for documents (spans, ids) (§14), or None, None, 0."""
+    spans, ids = documents or (None, None)
+    return spans, ids, 0 if ids is None else ids.stride(0)
 
 
 def tma_can_read(*tensors: torch.Tensor) -> bool:
@@ -507,12 +590,14 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
     return copy
 
 
-def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int]) -> Launched:
+def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int],
+            documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
-    tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. -> Launched: the compiled kernel (the
-    tuner logs its registers) and again(q, k, v, o, lse, scale), the same launch for tensors shaped, strided and
-    aligned like these."""
+    tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. documents: (spans, ids) where attention
+    stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
+    with a unit last stride. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
+    lse, scale, documents), the same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):
@@ -530,12 +615,13 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
-    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn),
+    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn,
+                                              *document_args(documents)),
                    BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
 
-    def again(q, k, v, o, lse, scale):
+    def again(q, k, v, o, lse, scale, documents=None):
         first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), rebased(o_desc, o), o, lse,
-                    *sizes, scale, n_work, per_turn)
+                    *sizes, scale, n_work, per_turn, *document_args(documents))
     return Launched(first.compiled, again)

@@ -124,11 +124,12 @@ def attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq
 
 if gluon is not None:
     @gluon.jit
-    def _key_tile(n_kv_heads, heads_per_group, diag, Tq):
-        """Program -> (batch*kv head, first key, first query tile that sees a key). Programs go in groups of
+    def _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS):
+        """Program -> (batch*kv head, first key, first and end query tile that see a key). Programs go in groups of
         heads_per_group (batch, kv head)s, whose dQ rows fit in L2 together (module docstring); in a group, key tile by
         key tile, the first (under the causal mask the one most query rows see, §9 "Work order") first. The last group
-        may be smaller."""
+        may be smaller. With SPANS (§14) the query tiles run from the first key's document start to the last key's
+        document end."""
         n_kblocks = gl.num_programs(0) // n_kv_heads
         per_group = heads_per_group * n_kblocks
         group = gl.program_id(0) // per_group
@@ -137,8 +138,16 @@ if gluon is not None:
         bh_kv = group * heads_per_group + within % heads_here
         start_n = within // heads_here * BLOCK_N
         # §6 row i sees keys <= i + diag: the first row that sees key start_n is start_n - diag
-        first_m = gl.minimum(gl.maximum(start_n - diag, 0), Tq) // BLOCK_M
-        return bh_kv, start_n, first_m
+        first_row = gl.maximum(start_n - diag, 0)
+        end_row = Tq
+        if SPANS is not None:
+            b = bh_kv // H_kv
+            first_key_start, _ = triton_hopper.document_span(SPANS, b, start_n, Tk)
+            _, last_key_end = triton_hopper.document_span(SPANS, b, gl.minimum(start_n + BLOCK_N, Tk) - 1, Tk)
+            first_row = gl.maximum(first_row, first_key_start)
+            end_row = last_key_end
+        first_m = gl.minimum(first_row, Tq) // BLOCK_M
+        return bh_kv, start_n, first_m, gl.maximum(gl.cdiv(end_row, BLOCK_M), first_m)
 
     @gluon.jit
     def _query_tile(t, bh_kv, GROUP, first_m, per_head):
@@ -163,17 +172,17 @@ if gluon is not None:
     @gluon.jit
     def _load_query_tiles(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                           lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads,
-                          heads_per_group, Tq, Tq_pad, diag):
+                          heads_per_group, Tq, Tq_pad, Tk, diag, SPANS):
         """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
         them, for each query head of the kv head's group (§7), into the ring."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
-        bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
+        bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
         triton_hopper.tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
         triton_hopper.tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_smem.reshape([1, 1, BLOCK_N, HEAD_DIM]))
-        per_head = gl.cdiv(Tq, BLOCK_M) - first_m
+        per_head = end_m - first_m
         for t in range(GROUP * per_head):
             slot = t % STAGES
             mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's first wait passes
@@ -217,7 +226,7 @@ if gluon is not None:
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                        stride_dvb, stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group,
-                       Tq, Tq_pad, Tk, diag, qk_scale, scale, ROWS_FIRST: gl.constexpr):
+                       Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
         of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
         row values (row_values_first)."""
@@ -241,7 +250,7 @@ if gluon is not None:
                                                             instr_shape=[16, HEAD_DIM, 16])
         lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
         row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a value per column of S^T: per query row
-        bh_kv, start_n, first_m = _key_tile(n_kv_heads, heads_per_group, diag, Tq)
+        bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
         b, h_kv = bh_kv // H_kv, bh_kv % H_kv
         k_mine = k_smem.slice(WG * KEYS, KEYS)  # (KEYS, D)
         v_mine = v_smem.slice(WG * KEYS, KEYS)
@@ -252,9 +261,18 @@ if gluon is not None:
         rows_m = gl.arange(0, BLOCK_M, layout=row_layout)  # (M,)
         dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
         dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
+        # §14 documents: the first row every key's document holds and the end of the first key's: query tiles
+        # reaching before or past them are masked (all of them where the ids are not runs). The rows' spans are read
+        # for masked tiles only, few of them, so that only these two stay in registers over the loop
+        DOCUMENTS: gl.constexpr = SPANS is not None  # (None survives the hand-over to a partition as a constant)
+        rows_from, rows_end = 0, Tq
+        if DOCUMENTS:
+            rows_from, _ = triton_hopper.document_span(SPANS, b, gl.minimum(first_key + KEYS, Tk) - 1, Tk)
+            rows_from = gl.where(gl.load(SPANS + b.to(gl.int64) * 2 * Tk) == 0, rows_from, Tq)  # not runs: all
+            _, rows_end = triton_hopper.document_span(SPANS, b, gl.minimum(first_key, Tk - 1), Tk)
         mbarrier.wait(kv_ready, 0)
 
-        per_head = gl.cdiv(Tq, BLOCK_M) - first_m
+        per_head = end_m - first_m
         n_tiles = GROUP * per_head  # query tiles: per_head for each query head of the kv head's group (§7)
         for t in range(n_tiles):
             slot = t % STAGES
@@ -276,10 +294,17 @@ if gluon is not None:
                 st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
                 dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
-            # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it
-            if first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1):
-                last_key = gl.minimum(start_m + rows_m + diag, Tk - 1)  # (M,)
-                st = gl.where(keys[:, None] <= last_key[None, :], st, float("-inf"))
+            # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it;
+            # §14 and, with documents, tiles crossing a document's edge
+            masked = first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1)
+            if DOCUMENTS:
+                masked = masked | (start_m < rows_from) | (start_m + BLOCK_M > rows_end)
+            if masked:
+                rows = start_m + rows_m  # (M,)
+                visible = keys[:, None] <= gl.minimum(rows + diag, Tk - 1)[None, :]
+                if DOCUMENTS:
+                    visible = visible & triton_hopper.same_document(keys, rows, b, Tk, SPANS, IDS, stride_ids)
+                st = gl.where(visible, st, float("-inf"))
             # §8 P^T = exp(scale * S^T - lse); 0 in padding rows (lse +inf)
             pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
             pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
@@ -353,27 +378,28 @@ if gluon is not None:
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale, ROWS_FIRST: gl.constexpr):
+                         qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale, ROWS_FIRST)
+                       Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale, ROWS_FIRST: gl.constexpr):
+                         qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                        stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale, ROWS_FIRST)
+                       Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
     def attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                      stride_dvb, stride_dvh, stride_dvt, dq_desc, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, scale, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
-        """Shared memory and barriers, then the split into the producer and the two consumers (module docstring)."""
+                     Tk, diag, scale, SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+        """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
+        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
         # K is read whole (S^T, per warpgroup) and by column halves (dQ): swizzled in atoms of D/2 columns, so a half
@@ -415,13 +441,13 @@ if gluon is not None:
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                          stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         scale * LOG2E, scale, ROWS_FIRST)
+                         scale * LOG2E, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
             (_load_query_tiles, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
                                  do_smem, lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP,
-                                 n_kv_heads, heads_per_group, Tq, Tq_pad, diag)),
+                                 n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, SPANS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -455,11 +481,12 @@ def dq_cols_block(head_dim: int) -> tuple[int, int]:
     return BLOCK_M.value, head_dim if head_dim == 64 else head_dim // 2
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool]) -> Launched:
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool],
+             documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
-    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. -> Launched: the compiled main kernel and
-    again(do, q, k, v, o, lse, dq, dk, dv, scale), the same three launches for tensors shaped, strided and aligned
-    like these."""
+    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
+    triton_hopper.forward takes them (§14). -> Launched: the compiled main kernel and again(do, q, k, v, o, lse, dq,
+    dk, dv, scale, documents), the same three launches for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
@@ -503,7 +530,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
     first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
-                                                  *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale),
+                                                  *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale,
+                                                  *triton_hopper.document_args(documents)),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
     sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
     first_finish = launch(attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
@@ -512,11 +540,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
         rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
 
-    def again(do, q, k, v, o, lse, dq, dk, dv, scale):
+    def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
         lse_row, delta, dq_acc = buffers()
         first_prepare.again(o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale))
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
                          rebased(lse_desc, lse_row), rebased(delta_desc, delta), *dkdv(dk, dv), *grad_strides,
-                         rebased(dq_desc, dq_acc), *sizes_main, scale)
+                         rebased(dq_desc, dq_acc), *sizes_main, scale, *triton_hopper.document_args(documents))
         first_finish.again(dq_acc, dq, *sizes_finish, scale)
     return Launched(first_main.compiled, again)

@@ -21,28 +21,29 @@ import torch
 from . import triton_dispatch
 from .inputs import check_qkv, unpack_qkv
 from .ops import define_op
-from .triton_support import check_triton_support
+from .block_mask import sequence_spans
+from .triton_support import check_triton_support, is_hopper
 
 # The arguments every op takes after (causal, scale): MaskArgs and Varlen flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
-               "int window_left=-1, int window_right=-1, int block_size=16, Tensor? cu_seqlens_q=None, "
-               "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
+               "int window_left=-1, int window_right=-1, int block_size=16, Tensor? spans=None, "
+               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
 
 
 def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
-               window_right: int = -1, block_size: int = 16, cu_seqlens_q=None, cu_seqlens_k=None,
+               window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
                max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                       max_seqlen_k)
-    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size), varlen
+    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
 
 
 def _flat(mask: triton_dispatch.MaskArgs, varlen: triton_dispatch.Varlen | None = None) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
-            *(varlen or (None, None, 0, 0)))
+            mask.spans, *(varlen or (None, None, 0, 0)))
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
@@ -162,12 +163,15 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
 
 
 def kernel_mask_args(mask) -> triton_dispatch.MaskArgs:
-    """A BlockMask as the kernels' arguments (the block lists are built once per BlockMask and cached)."""
+    """A BlockMask as the kernels' arguments (the block lists, and on Hopper the documents' spans, are built once per
+    BlockMask and cached)."""
     if mask is None:
         return triton_dispatch.DENSE
     docs = mask.document_ids
+    # §14 documents alone (causal or not) the Hopper kernels keep to themselves, from each position's span
+    spans = mask.document_spans() if mask.only_documents() and is_hopper(docs.device) else None
     return triton_dispatch.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
-                                 docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size)
+                                 docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size, spans)
 
 
 def flash_attention(
@@ -214,5 +218,11 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     (total_k, Hkv, D), cu_seqlens int32 on their device. -> (total_q, Hq, D)."""
     check_triton_support(q)
     varlen = triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    mask = triton_dispatch.MaskArgs(window=window)
+    # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
+    # the warp-specialized kernels may run it, from each row's span
+    spans = None
+    if (window is None and cu_seqlens_q is cu_seqlens_k and q.shape[0] == k.shape[0]
+            and max_seqlen_q == max_seqlen_k and is_hopper(q.device)):
+        spans = sequence_spans(cu_seqlens_q, q.shape[0])
+    mask = triton_dispatch.MaskArgs(window=window, spans=spans)
     return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]

@@ -106,6 +106,7 @@ class BackwardKey(NamedTuple):
     Hopper kernel's candidate tiles (its staged ones only where TMA can write the gradients)."""
     head_dim: int
     causal: bool
+    documents: bool  # §14: attention kept inside documents (the `tl` kernels then walk block lists)
     dtype: torch.dtype
     Tq_bucket: int
     Tk_bucket: int
@@ -182,13 +183,14 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
     return choice, launched
 
 
-def backward_choice(tl_backward, hopper_backward, tiles: list[tuple], head_dim: int, causal: bool, dtype, Tq: int,
-                    Tk: int, call: tuple) -> tuple | None:
+def backward_choice(tl_backward, hopper_backward, tiles: list[tuple], head_dim: int, causal: bool, documents: bool,
+                    dtype, Tq: int, Tk: int, call: tuple) -> tuple | None:
     """The backward for these sizes: None for the `tl` kernels (each with its own tuned tile, tuned_launch), or the
     Hopper kernel's tile. On the key's first call the candidates are timed, each run writing the gradients, which the
     caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(tile) -> the Hopper kernel's
     Launched; both plans take call."""
-    key = BackwardKey(head_dim, causal, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk), tuple(tiles))
+    key = BackwardKey(head_dim, causal, documents, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk),
+                      tuple(tiles))
     if key not in best_backward:
         if not tuning_enabled():
             best_backward[key] = None
@@ -249,7 +251,8 @@ def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: 
                 and all(constants.get(name) == value for name, value in dense.items())):
             found[key.kernel] = choice
     for key, choice in best_backward.items():
-        if (key.head_dim, key.causal, key.dtype, key.Tq_bucket, key.Tk_bucket) == (head_dim, causal, dtype, *buckets):
+        if (key.head_dim, key.causal, key.documents, key.dtype, key.Tq_bucket, key.Tk_bucket) == (
+                head_dim, causal, False, dtype, *buckets):
             found["bwd"] = choice  # whichever candidate tiles
     return found
 

@@ -33,11 +33,13 @@ for stage in "$@"; do
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader | log
     python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
 triton.__version__)" | log ;;
-  tests)  # every GPU-marked test (the kernels against float64 in bf16/fp16, determinism, compile), then the Hopper
-          # kernels' sm_90 builds (registers, spills, wgmma)
-    timeout "$SECONDS_LEFT" python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=10 tests 2>&1 | log
-    TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build 2>&1 | grep '^{' | log
-    TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build --backward 2>&1 | grep '^{' | log ;;
+  tests)  # every GPU-marked test (the kernels against float64 in bf16/fp16, determinism, compile), or those of the
+          # files in $TESTS, then the Hopper kernels' sm_90 builds (registers, spills, wgmma), dense and with documents
+    timeout -s INT "$SECONDS_LEFT" python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=10 ${TESTS:-tests} \
+      2>&1 | log
+    for build in "" "--backward" "--documents" "--documents --backward"; do
+      TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build $build 2>&1 | grep '^{' | log
+    done ;;
   kernels)  # forward, backward, forward+backward of our kernels beside cuDNN, FlashAttention-2 and FlexAttention
     timeout "$SECONDS_LEFT" python3 -m benchmarks.attention --resume --backends sdpa-cudnn,sdpa-flash,flex,triton \
       --seq_lens 1024,4096,16384 --out_dir "$RESULTS/kernels" 2>&1 | grep -v "it/s]" | log

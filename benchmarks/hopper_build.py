@@ -49,23 +49,32 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
-def build(head_dim: int, tile: tuple[int, int, int, int]):
-    """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS)."""
+def _document_args(documents: bool) -> tuple[dict, dict]:
+    """-> (signature, constants) of the kernels' SPANS, IDS, stride_ids: int32 spans and int64 ids (a model's
+    document ids) in the document mode, None (constants) without."""
+    if documents:
+        return dict(SPANS="*i32", IDS="*i64", stride_ids="i32"), {}
+    return dict(stride_ids="i32"), dict(SPANS=None, IDS=None)
+
+
+def build(head_dim: int, tile: tuple[int, int, int, int], documents: bool = False):
+    """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode."""
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = triton_hopper.REGS[consumers]
+    doc_signature, doc_constants = _document_args(documents)
     signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
                      k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
                      o_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
-                     diag="i32", scale="fp32", n_work="i32", per_turn="i32")
+                     diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature)
     return _compile(triton_hopper.attn_fwd_ws, signature,
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                         CONSUMER_REGS=consumer_regs), launch_regs)
+                         CONSUMER_REGS=consumer_regs, **doc_constants), launch_regs)
 
 
-def build_backward(head_dim: int, tile: tuple[int, bool]):
+def build_backward(head_dim: int, tile: tuple[int, bool], documents: bool = False):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED)."""
+    passes; tile: (STAGES, DKDV_STAGED); documents: §14's document mode."""
     hb = triton_hopper_backward
     stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
@@ -79,8 +88,9 @@ def build_backward(head_dim: int, tile: tuple[int, bool]):
                                                "stride_dvt"], "i32"),
                      dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
                                                   "Tk", "diag"], "i32"), scale="fp32")
-    return _compile(hb.attn_bwd_ws, signature, dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim)),
-                    hb.LAUNCH_REGS)
+    doc_signature, doc_constants = _document_args(documents)
+    return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
+                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **doc_constants), hb.LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -115,6 +125,7 @@ def main(argv=None):
     p.add_argument("--tile", default=None,
                    help="forward: BLOCK_N,K_STAGES,V_STAGES,CONSUMERS; backward: STAGES,DKDV_STAGED (0/1) "
                         "(default: every one)")
+    p.add_argument("--documents", action="store_true", help="the document mode (§14)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
@@ -124,12 +135,15 @@ def main(argv=None):
         if args.backward:
             tiles = [tuple(int(x) for x in args.tile.split(","))] if args.tile else table[head_dim]
         else:  # one build per forward_build(tile): the grid (persistent or not) is the launch's choice
+            listed = triton_hopper.document_tiles(head_dim) if args.documents else table[head_dim]
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
-                     else sorted({forward_build(tile) for tile in table[head_dim]}))
+                     else sorted({forward_build(tile) for tile in listed}))
         for tile in tiles:
-            figures, sass = report(build_backward(head_dim, tile) if args.backward else build(head_dim, tile))
+            kernel = (build_backward(head_dim, tile, args.documents) if args.backward
+                      else build(head_dim, tile, args.documents))
+            figures, sass = report(kernel)
             print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",
-                                  head_dim=head_dim, tile=tile, **figures)), flush=True)
+                                  head_dim=head_dim, tile=tile, documents=args.documents, **figures)), flush=True)
             if args.sass:
                 with open(args.sass, "w") as f:
                     f.write(sass)

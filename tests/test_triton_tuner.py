@@ -42,7 +42,7 @@ def test_tuned_choices_name_the_kernels_a_call_of_those_sizes_ran(monkeypatch):
     attention(q, k, v, causal=True, window=(16, 0), backend="triton").sum().backward()  # a window: another key
     assert triton_tuner.tuned_choices(24, True, torch.float16, 40, 40) == choices
     # the Hopper backward's choice (only on an H100/H200), whichever its candidate tiles were
-    triton_tuner.best_backward[triton_tuner.BackwardKey(24, True, torch.float16, 64, 64, ((2, False),))] = (2, False)
+    triton_tuner.best_backward[triton_tuner.BackwardKey(24, True, False, torch.float16, 64, 64, ((2, False),))] = (2, False)
     assert triton_tuner.tuned_choices(24, True, torch.float16, 40, 40) == {**choices, "bwd": (2, False)}
     assert "bwd" not in triton_tuner.tuned_choices(24, False, torch.float16, 40, 40)
 
@@ -142,20 +142,20 @@ def test_backward_choice_times_the_tl_pair_against_each_hopper_tile_once_per_key
     launched = []
     tl_backward, hopper_backward = fake_backward_kernels(launched)
     tiles = [(2, False), (3, True)]
-    choice = triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, True, torch.bfloat16, 1000, 1000,
+    choice = triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, True, False, torch.bfloat16, 1000, 1000,
                                           ("do", "q"))
     assert choice == (2, False)  # the fastest
     assert timings == [[None, (2, False), (3, True)]]  # None: the `tl` pair
     assert launched == ["tl plan", ("tl", ("do", "q")), ((2, False), ("do", "q")), ((3, True), ("do", "q"))]
-    key = triton_tuner.BackwardKey(64, True, torch.bfloat16, 1024, 1024, ((2, False), (3, True)))
+    key = triton_tuner.BackwardKey(64, True, False, torch.bfloat16, 1024, 1024, ((2, False), (3, True)))
     assert triton_tuner.best_backward == {key: (2, False)}
     assert [(entry["kernel"], entry["key"]) for entry in triton_tuner.tuning_log] == [("bwd", key)]
     # sizes in the same power-of-two buckets keep the choice; another causality, other tiles: new keys, timed
-    assert triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, True, torch.bfloat16, 600, 1024,
+    assert triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, True, False, torch.bfloat16, 600, 1024,
                                         ()) == (2, False)
     assert len(timings) == 1
-    triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, False, torch.bfloat16, 1000, 1000, ())
-    triton_tuner.backward_choice(tl_backward, hopper_backward, tiles[:1], 64, True, torch.bfloat16, 1000, 1000, ())
+    triton_tuner.backward_choice(tl_backward, hopper_backward, tiles, 64, False, False, torch.bfloat16, 1000, 1000, ())
+    triton_tuner.backward_choice(tl_backward, hopper_backward, tiles[:1], 64, True, False, torch.bfloat16, 1000, 1000, ())
     assert len(timings) == 3 and len(triton_tuner.best_backward) == 3
     assert triton_tuner.tuned_choices(64, True, torch.bfloat16, 1000, 1000)["bwd"] == (2, False)
 
@@ -166,6 +166,6 @@ def test_backward_choice_without_tuning_keeps_the_tl_kernels(monkeypatch):
     monkeypatch.setattr(triton_tuner, "best_backward", {})
     monkeypatch.setattr(triton_tuner, "timed", lambda first_runs: pytest.fail("timed with tuning off"))
     launched = []
-    choice = triton_tuner.backward_choice(*fake_backward_kernels(launched), [(2, False)], 128, True, torch.float16,
+    choice = triton_tuner.backward_choice(*fake_backward_kernels(launched), [(2, False)], 128, True, False, torch.float16,
                                           300, 300, ())
     assert choice is None and launched == []  # nothing ran: the caller's run is the first
