@@ -13,8 +13,8 @@ forward+backward through autograd:
     flex             the flex backend (FlexAttention, compiled) on the same BlockMask, converted once (untimed)
     dense causal     attention(..., causal=True) on whole rows: what masking saves
     prebuilt again   prebuilt once more: an A/A pair, the run's own noise
-Builds, timed on their own: our BlockMask with its block lists (what a training step builds once) and Flex's
-create_block_mask. Rounds rotate the order; each cell is the median of its rounds' medians.
+Builds, timed on their own: our BlockMask with what its kernels take (the block lists, and on Hopper each position's
+document span: what a training step builds once) and Flex's create_block_mask. Rounds rotate the order; each cell is the median of its rounds' medians.
 """
 import argparse
 import json
@@ -33,6 +33,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported, as in attention.py
 
 from attention import BlockMask, attention, attention_varlen
+from attention.triton_op import kernel_mask_args
 from benchmarks.attention import DTYPES, comma_list, median_ms, warm_up_gpu
 from benchmarks.sparse import visible_pairs
 from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, write_json
@@ -62,7 +63,7 @@ def cu_seqlens(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def implementations(ids: torch.Tensor, B: int, T: int, device, flex: bool) -> tuple[dict, dict]:
     """-> (name -> fn(q, k, v) on (B, H, T, D) views, or on (B*T, H, D) rows for varlen; name -> a build to time)."""
     mask = BlockMask.from_rules(T, T, causal=True, document_ids=ids)
-    mask.kv_blocks(), mask.q_blocks()  # the block lists, built once as a model's first layer builds them
+    kernel_mask_args(mask)  # the block lists (and spans), built once as a model's first layer builds them
     cu, longest = cu_seqlens(ids)
     cu = cu.to(device)
     fns = {
@@ -73,9 +74,8 @@ def implementations(ids: torch.Tensor, B: int, T: int, device, flex: bool) -> tu
         "prebuilt again": lambda q, k, v: attention(q, k, v, backend="triton", block_mask=mask),
     }
 
-    def our_build():
-        built = BlockMask.from_rules(T, T, causal=True, document_ids=ids)
-        return built.kv_blocks(), built.q_blocks()
+    def our_build():  # what a step builds: the block lists, and on Hopper the spans its kernels take (§14)
+        return kernel_mask_args(BlockMask.from_rules(T, T, causal=True, document_ids=ids))
     builds = {"ours": our_build}
     if flex:  # the registry's flex backend converts the BlockMask into Flex's once; the build is that conversion
         from attention.flex import flex_block_mask

@@ -82,13 +82,16 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --families dense,moba --seq_lens 32768 --head_dims 128 \
       --passes fwd,fwd+bwd --no-flex --out_dir "$RESULTS/moba/${gpu:-gpu}" 2>&1 | grep -v "it/s]" | tail -12 | log
     pack moba ;;
-  long_context)  # GPT-2 124M at T=4096 on packed speeches: dense, document-masked and windowed attention
+  long_context)  # GPT-2 124M on packed speeches, 16k tokens a step in rows of T (LONG_CONTEXT_T, default 4096 and 8192):
+                 # dense, document-masked and windowed attention, into long_context/T<T>
     shakespeare 2>&1 | log
-    timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --reference triton --out_dir "$RESULTS/long_context" \
-      --wandb false --variants sdpa:attn=sdpa triton:attn=triton flex-docs:attn=flex,doc_mask=true \
-      triton-docs:attn=triton,doc_mask=true triton-window:attn=triton,window=1024 -- configs/shakespeare.py \
-      --block_size=4096 --batch_size=4 --compile=false --max_steps=100 --eval_interval=25 --eval_iters=2 \
-      --sample_interval=0 2>&1 | grep -v "it/s]" | tail -24 | log
+    for T in ${LONG_CONTEXT_T:-4096 8192}; do
+      timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --reference triton --out_dir "$RESULTS/long_context/T$T" \
+        --wandb false --variants sdpa:attn=sdpa triton:attn=triton flex-docs:attn=flex,doc_mask=true \
+        triton-docs:attn=triton,doc_mask=true triton-window:attn=triton,window=1024 -- configs/shakespeare.py \
+        --block_size=$T --batch_size=$((16384 / T)) --compile=false --max_steps=100 --eval_interval=25 --eval_iters=2 \
+        --sample_interval=0 2>&1 | grep -v "it/s]" | tail -24 | log
+    done
     pack long_context ;;
   decoding)  # generate() with and without the KV cache and its CUDA graph
     timeout "$SECONDS_LEFT" python3 -m benchmarks.generate --backends sdpa,triton --out_dir "$RESULTS/decoding" \
