@@ -14,7 +14,8 @@ forward+backward through autograd:
     dense causal     attention(..., causal=True) on whole rows: what masking saves
     prebuilt again   prebuilt once more: an A/A pair, the run's own noise
 Builds, timed on their own: our BlockMask with what its kernels take (the block lists, and on Hopper each position's
-document span: what a training step builds once) and Flex's create_block_mask. Rounds rotate the order; each cell is the median of its rounds' medians.
+document span: what a training step builds once) and Flex's create_block_mask. Rounds rotate the order; each cell is
+the median of its rounds' medians.
 """
 import argparse
 import json
