@@ -124,7 +124,8 @@ def moba_backend(q, k, v, causal: bool, scale: float, moba_block: int = 512, mob
     check_same_length(q, k)
     if backend == "triton":
         # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
-        from .triton_moba import GATE_MAX_BLOCKS, moba_gate, moba_triton
+        from .triton_moba import GATE_MAX_BLOCKS, moba_gate
+        from .triton_moba_op import moba_triton
         from .triton_support import check_triton_support
 
         check_triton_support(q)

@@ -104,9 +104,10 @@ if gluon is not None:
 
     @gluon.jit
     def document_span(SPANS, b, row, T):
-        """-> (first, end) of the document that holds `row` of batch entry b: its first position and the one past its
-        last (§14 "Documents on the Hopper kernels"). SPANS (B, 2, T) int32; first is -1 throughout a batch entry
-        whose ids are not runs (an id that comes back after another), whose end is then T."""
+        """-> (first, end) of the span of `row` of batch entry b: the positions on the other side it sees, from first
+        to one before end (§14 "Documents on the Hopper kernels"). SPANS (B, 2, T) int32. For documents: the first
+        position of the row's document and the one past its last; first is -1 throughout a batch entry whose ids are
+        not runs (an id that comes back after another), whose end is then T."""
         base = SPANS + b.to(gl.int64) * 2 * T
         return gl.load(base + row), gl.load(base + T + row)
 
@@ -229,33 +230,36 @@ if gluon is not None:
 
     @gluon.jit
     def same_document(positions, others, b, T, SPANS, IDS, stride_ids):
-        """§14 (P, O) whether position p and position o of batch entry b lie in one document: o inside p's span, and
-        where the entry's ids are not runs, the same id; never for positions past T. positions (P,) and others (O,)
-        in the slices of one layout. The spans are read here, for the few masked tiles, so that nothing per row or
-        key stays in registers over the loop; P is the side whose vectors cost fewer registers per thread."""
+        """§14 (P, O) whether position o (other side) lies in the span of position p of batch entry b (SPANS
+        (B, 2, T), T positions on p's side), and where IDS is given and the entry's ids are not runs, whether both
+        have the same id; never for positions past T. positions (P,) and others (O,) in the slices of one layout. The
+        spans are read here, for the few masked tiles, so that nothing per row or key stays in registers over the
+        loop; P is the side whose vectors cost fewer registers per thread. IDS None (spans that are intervals
+        already, as MoBA's, §11) compiles the ids comparison out."""
         spans_b = SPANS + b.to(gl.int64) * 2 * T
         real = positions < T
         first = gl.load(spans_b + positions, mask=real, other=T)
         end = gl.load(spans_b + T + positions, mask=real, other=0)
         inside = (others[None, :] >= first[:, None]) & (others[None, :] < end[:, None])
-        if gl.load(spans_b) != 0:  # not runs (first -1 throughout): compare ids
-            ids_b = IDS + b.to(gl.int64) * stride_ids
-            inside = inside & (gl.load(ids_b + positions, mask=real, other=0)[:, None]
-                               == gl.load(ids_b + others, mask=others < T, other=0)[None, :])
+        if IDS is not None:
+            if gl.load(spans_b) != 0:  # not runs (first -1 throughout): compare ids
+                ids_b = IDS + b.to(gl.int64) * stride_ids
+                inside = inside & (gl.load(ids_b + positions, mask=real, other=0)[:, None]
+                                   == gl.load(ids_b + others, mask=others < T, other=0)[None, :])
         return inside
 
     @gluon.jit
-    def _mask_keys(s, first_row, start_n, diag, Tk, b, SPANS, IDS, stride_ids, s_layout: gl.constexpr):
+    def _mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_layout: gl.constexpr):
         """s (ROWS, N) with -inf past each row's last visible key, min(row + diag, Tk - 1) (§6: diag = Tk - Tq
         under the causal mask; Tk otherwise, when only a ragged last tile's zero rows are hidden), and with SPANS
-        (§14) outside each row's document (same_document)."""
+        (B, 2, Tq) (§14) outside each row's span (same_document)."""
         BLOCK_N: gl.constexpr = s.shape[1]
         rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
         last_key = gl.minimum(rows + diag, Tk - 1)
         keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,)
         visible = keys[None, :] <= last_key[:, None]
         if SPANS is not None:
-            visible = visible & same_document(rows, keys, b, Tk, SPANS, IDS, stride_ids)
+            visible = visible & same_document(rows, keys, b, Tq, SPANS, IDS, stride_ids)
         return gl.where(visible, s, float("-inf"))
 
     @gluon.jit
@@ -328,7 +332,8 @@ if gluon is not None:
             every_from = 0
             if DOCUMENTS:
                 every_from, last_end = document_span(SPANS, bh // H, last_row, Tq)
-                every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
+                if IDS is not None:
+                    every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
                 last_key = gl.minimum(last_key, last_end - 1)
                 _, first_end = document_span(SPANS, bh // H, gl.minimum(first_row, Tq - 1), Tq)
                 mask_from = gl.minimum(mask_from, first_end)
@@ -358,7 +363,7 @@ if gluon is not None:
             s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
             _k_done(k_empty, k_slot, SPLIT)
             if _needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-                s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids,
+                s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
                                s_layout)
             m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
             p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -376,7 +381,8 @@ if gluon is not None:
                 s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
                 _k_done(k_empty, k_slot, SPLIT)
                 if _needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-                    s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
+                    s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
+                                   s_layout)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
                 # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
                 # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
@@ -401,8 +407,8 @@ if gluon is not None:
                 o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
                 s_half = warpgroup_mma_wait(1, deps=[half_token])
                 _k_done(k_empty, k_slot, SPLIT)
-                s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tk, bh // H, SPANS, IDS, stride_ids,
-                                    half_layout)
+                s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
+                                    stride_ids, half_layout)
                 p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
                                                               gl.convert_layout(l_i, half_rows), qk_scale)
                 m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
@@ -554,14 +560,18 @@ def tma_can_read(*tensors: torch.Tensor) -> bool:
                and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
-    """Whether this kernel can run the call: Gluon present, an sm_90 GPU (wgmma is Hopper's alone), a dense
-    mask, fp16/bf16, head dim 64 or 128, and tensors the copy engine reads. Anything else takes the `tl` forward."""
+def runs_on(q: torch.Tensor) -> bool:
+    """Whether the kernels run for queries like q: Gluon present, an sm_90 GPU (wgmma is Hopper's alone), fp16/bf16,
+    head dim 64 or 128."""
     if gluon is None or INTERPRET:  # Gluon has no CPU interpreter
         return False
-    if not dense or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in TILES:
-        return False
-    return is_hopper(q.device) and tma_can_read(q, k, v)
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in TILES and is_hopper(q.device)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
+    """Whether this kernel can run the call: where it runs (runs_on), a dense mask, and tensors the copy engine reads.
+    Anything else takes the `tl` forward."""
+    return dense and runs_on(q) and tma_can_read(q, k, v)
 
 
 @functools.cache
@@ -596,7 +606,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. documents: (spans, ids) where attention
     stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
-    with a unit last stride. -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
+    with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11). -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
     lse, scale, documents), the same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]

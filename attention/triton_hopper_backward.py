@@ -87,24 +87,28 @@ DQ_GROUP_BYTES = 8 << 20
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
-                      stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5) and lse * lse_unit,
-    the lse in the units the kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0
-    there and the kernel needs no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the
-    kernel's adds."""
+def attn_bwd_prepare(O, DO, LSE, KNOWN_DELTA, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob,
+                      stride_doh, stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5), or KNOWN_DELTA
+    (B*H, Tq) where the caller has it (then O is not read), and lse * lse_unit, the lse in the units the kernel
+    subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no
+    row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
     cols = tl.arange(0, HEAD_DIM)  # (D,)
     real = rows < Tq
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
-                mask=real[:, None], other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
-                 mask=real[:, None], other=0.0)
+    if KNOWN_DELTA is None:
+        o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+                    mask=real[:, None], other=0.0)
+        do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
+                     mask=real[:, None], other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = tl.load(KNOWN_DELTA + bh.to(tl.int64) * Tq + rows, mask=real, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
     row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
-    tl.store(DELTA + row_index, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1))
+    tl.store(DELTA + row_index, delta)
     tl.store(LSE_ROW + row_index, lse * lse_unit)
     tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
 
@@ -268,7 +272,8 @@ if gluon is not None:
         rows_from, rows_end = 0, Tq
         if DOCUMENTS:
             rows_from, _ = triton_hopper.document_span(SPANS, b, gl.minimum(first_key + KEYS, Tk) - 1, Tk)
-            rows_from = gl.where(gl.load(SPANS + b.to(gl.int64) * 2 * Tk) == 0, rows_from, Tq)  # not runs: all
+            if IDS is not None:
+                rows_from = gl.where(gl.load(SPANS + b.to(gl.int64) * 2 * Tk) == 0, rows_from, Tq)  # not runs: all
             _, rows_end = triton_hopper.document_span(SPANS, b, gl.minimum(first_key, Tk - 1), Tk)
         mbarrier.wait(kv_ready, 0)
 
@@ -482,11 +487,15 @@ def dq_cols_block(head_dim: int) -> tuple[int, int]:
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool],
-             documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
+             documents: tuple[torch.Tensor, torch.Tensor] | None = None, delta: torch.Tensor | None = None,
+             dq_acc: torch.Tensor | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
-    triton_hopper.forward takes them (§14). -> Launched: the compiled main kernel and again(do, q, k, v, o, lse, dq,
-    dk, dv, scale, documents), the same three launches for tensors shaped, strided and aligned like these."""
+    triton_hopper.forward takes them, the spans here per key (§14). delta: Delta (B, Hq, Tq) float32 where the caller
+    has it (o is then None). dq_acc: a float32 (B*Hq*Tq_pad, D) buffer, Tq_pad = Tq rounded up to BLOCK_M, to leave dQ
+    in, unscaled (dS K), instead of writing dq (None). -> Launched: the compiled main kernel and again(do, q, k, v, o,
+    lse, dq, dk, dv, scale, documents), the same three launches for tensors shaped, strided and aligned like these
+    (for calls without delta and dq_acc)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
@@ -494,24 +503,26 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     rows_grid = (n_m_tiles, B * Hq)
     device = q.device  # (again must not keep q alive)
 
-    def buffers():
-        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D): the pre-pass writes all three"""
+    def buffers(dq_acc=None):
+        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D) unless given: the pre-pass writes all three"""
         lse_row = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
-        return lse_row, torch.empty_like(lse_row), torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
-    lse_row, delta, dq_acc = buffers()
+        if dq_acc is None:
+            dq_acc = torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
+        return lse_row, torch.empty_like(lse_row), dq_acc
+    lse_row, delta_row, dq_acc = buffers(dq_acc)
     rows_first = row_values_first(D)
 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
         return 1 / scale if rows_first else LOG2E.value
-    sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, Tq, Tq_pad)
+    sizes_prepare = ((0, 0, 0) if o is None else o.stride()[:3]) + (*do.stride()[:3], Hq, Tq, Tq_pad)
     first_prepare = launch(attn_bwd_prepare, rows_grid,
-                           (o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale)),
+                           (o, do, lse, delta, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale)),
                            HEAD_DIM=D, ROWS=BLOCK_M.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)
-                            for t in (lse_row, delta))
+                            for t in (lse_row, delta_row))
     # the float32 dQ buffer's rows, added into by dq_cols_block blocks
     dq_block = dq_cols_block(D)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
@@ -533,6 +544,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
                                                   *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale,
                                                   *triton_hopper.document_args(documents)),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
+    if dq is None:  # the caller reads dq_acc
+        return Launched(first_main.compiled, None)
     sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
     first_finish = launch(attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
                           ROWS=BLOCK_M.value)
@@ -541,10 +554,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
 
     def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
-        lse_row, delta, dq_acc = buffers()
-        first_prepare.again(o, do, lse, lse_row, delta, dq_acc, *sizes_prepare, lse_unit(scale))
+        lse_row, delta_row, dq_acc = buffers()
+        first_prepare.again(o, do, lse, None, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
-                         rebased(lse_desc, lse_row), rebased(delta_desc, delta), *dkdv(dk, dv), *grad_strides,
+                         rebased(lse_desc, lse_row), rebased(delta_desc, delta_row), *dkdv(dk, dv), *grad_strides,
                          rebased(dq_desc, dq_acc), *sizes_main, scale, *triton_hopper.document_args(documents))
         first_finish.again(dq_acc, dq, *sizes_finish, scale)
     return Launched(first_main.compiled, again)

@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import define_op
 from .triton_dispatch import empty_bthd
 from .triton_flash import LN2, LOG2E, dkdv_tile, dq_tile, fwd_tile, head_base, key_ranges, load_rows, store_rows
-from .triton_tuner import candidate_tiles, tuned_launch
+from .triton_tuner import tuned_launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,12 +268,13 @@ def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ENTRIES, rows, cou
 
 
 @triton.jit
-def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, stride_ot, stride_od, H, T,
+def _moba_merge(PART, LSE_PART, POS, OUT, LSE, stride_part, stride_ob, stride_oh, stride_ot, stride_od, H, T, scale,
                 S: tl.constexpr, WEIGHTED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_T: tl.constexpr):
-    """§11 merge of each query's slots into OUT (B, H, T, D), skipping empty slots (selection -1),
-    whose partials were never written. WEIGHTED (forward): the log-sum-exp merge of partial outputs,
-    also storing the row's lse; otherwise (dQ) a plain sum."""
+    """§11 merge of each query's slots into OUT (B, H, T, D): slot s of query t is row POS[b, h, t, s] of PART
+    (rows of BLOCK_D values, stride_part apart) and LSE_PART; empty slots (POS -1), whose rows were never written,
+    are skipped. WEIGHTED (forward): the log-sum-exp merge of partial outputs, also storing the row's lse; otherwise
+    (dQ) a plain sum, times scale."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (T_tile,)
@@ -284,22 +284,23 @@ def _moba_merge(PART, LSE_PART, SELECTION, OUT, LSE, stride_ob, stride_oh, strid
     if WEIGHTED:  # lse = log sum_s exp(lse_s), computed stably around the largest
         m = tl.full([BLOCK_T], float("-inf"), tl.float32)
         for s in tl.static_range(S):
-            used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
-            m = tl.maximum(m, tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")))
+            row = tl.load(POS + slots + s, mask=t < T, other=-1)
+            m = tl.maximum(m, tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")))
         total = tl.zeros([BLOCK_T], tl.float32)
         for s in tl.static_range(S):
-            used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
-            total += tl.exp(tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")) - m)
+            row = tl.load(POS + slots + s, mask=t < T, other=-1)
+            total += tl.exp(tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")) - m)
         lse = m + tl.log(total)
         tl.store(LSE + bh.to(tl.int64) * T + t, lse, mask=t < T)
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for s in tl.static_range(S):
-        used = (tl.load(SELECTION + slots + s, mask=t < T, other=-1) >= 0)
-        weight = tl.where(used, 1.0, 0.0)
+        row = tl.load(POS + slots + s, mask=t < T, other=-1)
+        weight = tl.where(row >= 0, scale, 0.0)
         if WEIGHTED:
-            weight = tl.exp(tl.load(LSE_PART + slots + s, mask=used, other=float("-inf")) - lse)
-        part = tl.load(PART + (slots + s)[:, None] * BLOCK_D + cols[None, :], mask=used[:, None], other=0.0)
-        acc += weight[:, None] * part
+            weight = tl.exp(tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")) - lse)
+        part = tl.load(PART + row.to(tl.int64)[:, None] * stride_part + cols[None, :], mask=(row >= 0)[:, None],
+                       other=0.0)
+        acc += weight[:, None] * part.to(tl.float32)
     store_rows(head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
                              HEAD_DIM)
 
@@ -378,11 +379,29 @@ MERGE_ROWS = 32  # queries per merge program (_moba_merge): S partial rows of D 
 DELTA_ROWS = 64  # queries per _row_delta program
 
 
-def _merge(part, lse_part, selection, out, lse) -> None:
+def merge_slots(part, lse_part, pos, out, lse, scale: float = 1.0) -> None:
+    """Each query's slots into out (B, H, T, D) (_moba_merge): with lse (B, H, T) the log-sum-exp merge of the
+    partial outputs part (rows, BLOCK_D) and their lse_part (rows,), else the sum of the rows of part times scale.
+    pos (B, H, T, S) int32: the row of each slot, -1 for an empty one."""
     B, H, T, _ = out.shape
     _moba_merge[(triton.cdiv(T, MERGE_ROWS), B * H)](
-        part, lse_part, selection, out, lse, *out.stride(), H, T, S=selection.shape[-1], WEIGHTED=lse is not None,
-        HEAD_DIM=out.shape[-1], BLOCK_D=part.shape[-1], BLOCK_T=MERGE_ROWS)
+        part, lse_part, pos, out, lse, part.stride(-2), *out.stride(), H, T, scale, S=pos.shape[-1],
+        WEIGHTED=lse is not None, HEAD_DIM=out.shape[-1], BLOCK_D=part.shape[-1], BLOCK_T=MERGE_ROWS)
+
+
+def slot_rows(selection: torch.Tensor) -> torch.Tensor:
+    """pos for merge_slots over the `tl` kernels' partials, one row per (query, slot) in selection's order."""
+    rows = torch.arange(selection.numel(), dtype=torch.int32, device=selection.device).view(selection.shape)
+    return torch.where(selection >= 0, rows, -1)
+
+
+def row_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """§5 Delta = rowsum(dO * O) (B, H, T) float32 (_row_delta)."""
+    B, H, T, D = o.shape
+    delta = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
+    _row_delta[(triton.cdiv(T, DELTA_ROWS), B * H)](o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D,
+                                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_T=DELTA_ROWS)
+    return delta
 
 
 def forward(q, k, v, selection, block_size: int, scale: float):
@@ -392,7 +411,7 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     S = selection.shape[-1]
     order, first, count = entry_lists(selection, block_size)
     # one partial result per (query, slot); the merge skips the empty slots, so nothing is zero-filled
-    o_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
+    o_part = q.new_empty(B * H * T * S, triton.next_power_of_2(D), dtype=torch.float32)
     lse_part = q.new_empty(B, H, T, S, dtype=torch.float32)
     work = functools.cache(lambda block_m: work_items(count, T, S, block_m))  # the tile decides the work list
 
@@ -404,7 +423,7 @@ def forward(q, k, v, selection, block_size: int, scale: float):
             T, T, q.dtype, block_size)
     o = empty_bthd(B, H, T, D, q)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _merge(o_part, lse_part, selection, o, lse)
+    merge_slots(o_part, lse_part, slot_rows(selection), o, lse)
     return o, lse, order, first, count
 
 
@@ -412,12 +431,10 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
     """-> dq, dk, dv."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], selection.shape[-1]
-    delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _row_delta[(triton.cdiv(T, DELTA_ROWS), B * H)](o, do, delta, *o.stride(), *do.stride(), H, T, HEAD_DIM=D,
-                                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_T=DELTA_ROWS)
+    delta = row_delta(o, do)
     constants = _constants(q, block_size)
 
-    dq_part = q.new_empty(B, H, T, S, triton.next_power_of_2(D), dtype=torch.float32)
+    dq_part = q.new_empty(B * H * T * S, triton.next_power_of_2(D), dtype=torch.float32)
     # the entries' rows in list order, for the dK/dV kernel (see _moba_bwd_dq)
     q_listed, do_listed = (t.new_empty(B * H, T * S, D) for t in (q, do))
     lse_listed, delta_listed = (torch.empty(B * H, T * S, dtype=torch.float32, device=q.device) for _ in range(2))
@@ -431,7 +448,7 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
     tuned_launch("dq", _moba_bwd_dq, lambda block_m, _: (work(block_m).shape[0],), args, constants, T, T, q.dtype,
             block_size)
     dq = empty_bthd(B, H, T, D, q)
-    _merge(dq_part, None, selection, dq, None)
+    merge_slots(dq_part, None, slot_rows(selection), dq, None)
 
     dk = empty_bthd(B, Hkv, T, D, k)
     dv = empty_bthd(B, Hkv, T, D, v)
@@ -440,55 +457,3 @@ def backward(do, q, k, v, o, lse, selection, order, first, count, block_size: in
              *k.stride(), *v.stride(), *dk.stride(), *dv.stride(), H, H // Hkv, T, S, count.shape[1], scale),
             constants, T, T, q.dtype, block_size)
     return dq, dk, dv
-
-
-def _moba_fwd_fake(q, k, v, selection, block_size, scale):
-    B, H, T, D = q.shape
-    lists = [q.new_empty(B * H, n, dtype=torch.int32) for n in (T * selection.shape[-1], -(-T // block_size),
-                                                                 -(-T // block_size))]
-    return empty_bthd(B, H, T, D, q), q.new_empty(B, H, T, dtype=torch.float32), *lists
-
-
-moba_fwd = define_op("moba_fwd(Tensor q, Tensor k, Tensor v, Tensor selection, int block_size, float scale) "
-                     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", forward, _moba_fwd_fake)
-
-
-def _moba_bwd_fake(do, q, k, v, o, lse, selection, order, first, count, block_size, scale):
-    return tuple(empty_bthd(*t.shape, t) for t in (q, k, v))
-
-
-moba_bwd = define_op("moba_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor selection, "
-                     "Tensor order, Tensor first, Tensor count, int block_size, float scale) -> (Tensor, Tensor, Tensor)",
-                     backward, _moba_bwd_fake)
-
-
-class MobaFunction(torch.autograd.Function):
-    """Autograd for the MoBA kernels (the selection gets no gradient); under torch.compile it calls the
-    ops, in eager mode the launchers directly (see triton_op.py for why)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, selection, block_size: int, scale: float):
-        fwd = moba_fwd if torch.compiler.is_compiling() else forward
-        o, lse, order, first, count = fwd(q, k, v, selection, block_size, scale)
-        ctx.save_for_backward(q, k, v, o, lse, selection, order, first, count)
-        ctx.block_size, ctx.scale = block_size, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        bwd = moba_bwd if torch.compiler.is_compiling() else backward
-        dq, dk, dv = bwd(do, *ctx.saved_tensors, ctx.block_size, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def moba_triton(q, k, v, selection: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """MoBA attention of q (B, Hq, T, D), k, v (B, Hkv, T, D) over selection (B, Hq, T, topk + 1)
-    (attention/moba.py:moba_select), on inputs triton_support.check_triton_support passed. block_size must be a
-    multiple of the kernels' tiles (128 on a GPU)."""
-    try:
-        for kernel in ("fwd", "dq", "dkdv"):
-            candidate_tiles(kernel, triton.next_power_of_2(q.shape[-1]), q.dtype.itemsize, block_size)
-    except ValueError:
-        raise ValueError(f"the triton MoBA kernels walk a block in tiles, and block_size={block_size} is smaller "
-                         "than every tile of one of them; use a multiple of 128 (the MoBA paper uses 512)") from None
-    return MobaFunction.apply(q, k, v, selection.contiguous(), block_size, scale)

@@ -49,16 +49,20 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
-def _document_args(documents: bool) -> tuple[dict, dict]:
+def _document_args(documents: str | None) -> tuple[dict, dict]:
     """-> (signature, constants) of the kernels' SPANS, IDS, stride_ids: int32 spans and int64 ids (a model's
-    document ids) in the document mode, None (constants) without."""
-    if documents:
+    document ids) in the document mode ("documents"), int32 spans alone ("spans", MoBA's, §11), None (constants)
+    without."""
+    if documents == "documents":
         return dict(SPANS="*i32", IDS="*i64", stride_ids="i32"), {}
+    if documents == "spans":
+        return dict(SPANS="*i32", stride_ids="i32"), dict(IDS=None)
     return dict(stride_ids="i32"), dict(SPANS=None, IDS=None)
 
 
-def build(head_dim: int, tile: tuple[int, int, int, int], documents: bool = False):
-    """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode."""
+def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None = None):
+    """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode
+    ("documents") or spans alone ("spans", §11), or None."""
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = triton_hopper.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
@@ -72,9 +76,9 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: bool = Fals
                          CONSUMER_REGS=consumer_regs, **doc_constants), launch_regs)
 
 
-def build_backward(head_dim: int, tile: tuple[int, bool], documents: bool = False):
+def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED); documents: §14's document mode."""
+    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it."""
     hb = triton_hopper_backward
     stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
@@ -125,7 +129,9 @@ def main(argv=None):
     p.add_argument("--tile", default=None,
                    help="forward: BLOCK_N,K_STAGES,V_STAGES,CONSUMERS; backward: STAGES,DKDV_STAGED (0/1) "
                         "(default: every one)")
-    p.add_argument("--documents", action="store_true", help="the document mode (§14)")
+    p.add_argument("--documents", action="store_const", const="documents", help="the document mode (§14)")
+    p.add_argument("--spans", action="store_const", const="spans", dest="documents",
+                   help="spans without ids, as MoBA runs the kernels (§11)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
