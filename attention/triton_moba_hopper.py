@@ -3,8 +3,8 @@ block it reads, becomes a row of one cross-attention problem whose rows and keys
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
     layout = entry_layout(selection, block_size, Hkv)     # where each entry's row goes, and the spans
-    o, lse, *layout = forward(q, k, v, selection, block_size, scale)
-    dq, dk, dv = backward(do, q, k, v, o, lse, *layout, scale)
+    o, lse, q_rows, *layout = forward(q, k, v, selection, block_size, scale)
+    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, *layout, scale)
 
 The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries gathered
 block by block: for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's
@@ -34,6 +34,64 @@ def layout_rows(B: int, Hq: int, Hkv: int, T: int, S: int, block_size: int) -> i
     return triton.cdiv(rows, ROW_TILE) * ROW_TILE
 
 
+@triton.jit
+def _entry_runs(SELECTION, RUN, T, G, n_blocks, S: tl.constexpr, BLOCK: tl.constexpr):
+    """RUN (B*Hkv, T*G*S): per kv head its entries in (query, head of the group, slot) order, each as the run it sorts
+    into: 2n for an own entry of block n, 2n + 1 for a past one, 2 * n_blocks for an empty slot. SELECTION
+    (B, Hq, T, S), query head h = kv head * G + g."""
+    r = tl.program_id(1)
+    entry = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (E,)
+    n_entries = T * G * S
+    inside = entry < n_entries
+    t, g, s = entry // (G * S), entry // S % G, entry % S
+    block = tl.load(SELECTION + ((r * G + g).to(tl.int64) * T + t) * S + s, mask=inside, other=-1)
+    run = tl.where(block >= 0, 2 * block + (s > 0), 2 * n_blocks)
+    tl.store(RUN + r.to(tl.int64) * n_entries + entry, run.to(RUN.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _place_entries(SORTED_RUN, ORDER, FIRST, SEGMENT_START, POS, SRC, T, G, n_blocks, S: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """For the sorted entries of kv head r: entry p of block n's segment goes to row SEGMENT_START[r, n] + p -
+    FIRST[r, n]; POS (B, Hq, T, S) gets its row (-1 for an empty slot), SRC its query, (b * Hq + h) * T + t."""
+    r = tl.program_id(1)
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (E,) sorted positions
+    n_entries = T * G * S
+    inside = p < n_entries
+    run = tl.load(SORTED_RUN + r.to(tl.int64) * n_entries + p, mask=inside, other=2 * n_blocks).to(tl.int32)
+    entry = tl.load(ORDER + r.to(tl.int64) * n_entries + p, mask=inside, other=0)
+    valid = run < 2 * n_blocks
+    segment = r * n_blocks + tl.minimum(run // 2, n_blocks - 1)
+    row = tl.load(SEGMENT_START + segment) + p - tl.load(FIRST + segment)
+    t, g, s = entry // (G * S), entry // S % G, entry % S
+    query = (r * G + g).to(tl.int64) * T + t  # (b * Hq + h) * T + t
+    tl.store(POS + query * S + s, tl.where(valid, row, -1).to(tl.int32), mask=inside)
+    tl.store(SRC + row, query.to(tl.int32), mask=inside & valid)
+
+
+@triton.jit
+def _row_spans(SPANS, TILE_SEGMENT, SEGMENT_START, USED_ROWS, T, G, n_blocks, n_rows, MOBA_BLOCK: tl.constexpr,
+               ROWS: tl.constexpr):
+    """SPANS (2, n_rows): the keys each row of a ROWS-row tile sees, [first, end) in the B*Hkv*T keys. A tile lies in
+    one segment (segments start on a tile), block n of kv head r: its first G * (block length) rows are the own
+    entries, query n * MOBA_BLOCK + i // G at row i, which see the block up to themselves; the rest (past entries,
+    padding) see the whole block. Rows past the used ones see nothing."""
+    tile = tl.program_id(0)
+    rows = tile * ROWS + tl.arange(0, ROWS)  # (R,)
+    segment = tl.load(TILE_SEGMENT + tile)
+    r, n = segment // n_blocks, segment % n_blocks
+    first = r * T + n * MOBA_BLOCK
+    length = tl.minimum(MOBA_BLOCK, T - n * MOBA_BLOCK)
+    i = rows - tl.load(SEGMENT_START + segment)  # (R,) rows into the segment
+    end = tl.where(i < G * length, first + i // G + 1, first + length)
+    used = rows < tl.load(USED_ROWS)
+    tl.store(SPANS + rows, tl.where(used, first, 0))
+    tl.store(SPANS + n_rows + rows, tl.where(used, end, 0))
+
+
+ENTRY_BLOCK = 1024  # entries per _entry_runs / _place_entries program
+
+
 @torch.no_grad()
 def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[torch.Tensor, ...]:
     """selection (B, Hq, T, S) key blocks per query (moba_select's: slot 0 its own, -1 empty) -> (pos, src, row_spans,
@@ -44,53 +102,37 @@ def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[to
     key_spans (1, 2, B*Hkv*T): the rows that see each key, [first, end)."""
     B, Hq, T, S = selection.shape
     G, R, n_blocks = Hq // Hkv, B * Hkv, triton.cdiv(T, block_size)
-    n_rows = layout_rows(B, Hq, Hkv, T, S, block_size)
+    n_rows, n_entries = layout_rows(B, Hq, Hkv, T, S, block_size), T * G * S
     device = selection.device
-    # per kv head the entries in (query, head of the group, slot) order; block n's own entries sort into run 2n, its
-    # past ones into run 2n + 1, empty slots after all of them. The sort is stable, so each run keeps that order, and
-    # sorts the small run numbers, not entry-unique keys (triton_moba.entry_lists)
-    chosen = selection.view(B, Hkv, G, T, S).transpose(2, 3).reshape(R, T * G * S)
-    past = (torch.arange(S, device=device) > 0).repeat(T * G)  # (T*G*S,)
-    run = torch.where(chosen >= 0, 2 * chosen + past, 2 * n_blocks)
-    sorted_run, order = torch.sort(run.to(torch.int16 if 2 * n_blocks < 2**15 else torch.int32), dim=-1, stable=True)
-    starts = torch.searchsorted(sorted_run, torch.arange(2 * n_blocks + 1, dtype=sorted_run.dtype, device=device)
+    # per kv head a segment per block: its own entries (run 2n), then its past ones (run 2n + 1). The sort is stable,
+    # so each run keeps the (query, head of the group) order, and sorts the small run numbers, not entry-unique keys
+    # (triton_moba.entry_lists)
+    run = torch.empty(R, n_entries, dtype=torch.int16 if 2 * n_blocks < 2**15 else torch.int32, device=device)
+    grid = (triton.cdiv(n_entries, ENTRY_BLOCK), R)
+    _entry_runs[grid](selection, run, T, G, n_blocks, S=S, BLOCK=ENTRY_BLOCK)
+    sorted_run, order = torch.sort(run, dim=-1, stable=True)
+    starts = torch.searchsorted(sorted_run, torch.arange(2 * n_blocks + 1, dtype=run.dtype, device=device)
                                 .expand(R, -1).contiguous())  # (R, 2 * n_blocks + 1)
     first, size = starts[:, :-1:2], starts[:, 2::2] - starts[:, :-1:2]  # (R, n_blocks) each segment's entries
     padded = (size + ROW_TILE - 1) // ROW_TILE * ROW_TILE
-    segment_start = (padded.flatten().cumsum(0) - padded.flatten()).view(R, n_blocks)
+    ends = padded.flatten().cumsum(0)
+    segment_start = ends - padded.flatten()  # (R * n_blocks,)
 
-    # each sorted entry's row, and what it is: order indexes the (query, head of the group, slot) enumeration
-    valid = sorted_run < 2 * n_blocks  # (R, T*G*S)
-    block = (sorted_run.long() // 2).clamp(max=n_blocks - 1)
-    row = segment_start.gather(1, block) + torch.arange(T * G * S, device=device) - first.gather(1, block)
-    t, g, s = order // (G * S), order // S % G, order % S
-    head = torch.arange(R, device=device)[:, None] * G + g  # b * Hq + h
-    pos = torch.empty(B * Hq * T * S, dtype=torch.int32, device=device)
-    pos.scatter_(0, ((head * T + t) * S + s).flatten(), torch.where(valid, row, -1).int().flatten())
-    # scatters over the rows send the entries they skip to one extra element, dropped after
-    unused = torch.where(valid, row, n_rows).flatten()
-    src = torch.full((n_rows + 1,), -1, dtype=torch.int32, device=device)
-    src.scatter_(0, unused, (head * T + t).int().flatten())
-
-    # a row's span: its segment's block, cut at the query for an own entry (padding rows see the whole block, so
-    # every span in a tile starts at the same key and none ends after the tile's last row's)
-    rows = torch.arange(n_rows, device=device)
-    segment = torch.searchsorted(segment_start.flatten(), rows, right=True) - 1
-    sequence, key_block = segment // n_blocks, segment % n_blocks
-    used = rows < segment_start[-1, -1] + padded[-1, -1]
-    key_first = torch.where(used, sequence * T + key_block * block_size, 0)
-    key_end = torch.where(used, sequence * T + torch.clamp((key_block + 1) * block_size, max=T), 0)
-    key_end = torch.cat([key_end, key_end.new_zeros(1)])
-    own = torch.where(valid & (s == 0), row, n_rows).flatten()
-    key_end.scatter_(0, own, (torch.arange(R, device=device)[:, None] * T + t + 1).flatten())
-    row_spans = torch.stack([key_first, key_end[:n_rows]]).int()[None]
+    pos = torch.empty(B, Hq, T, S, dtype=torch.int32, device=device)
+    src = torch.full((n_rows,), -1, dtype=torch.int32, device=device)
+    _place_entries[grid](sorted_run, order, first.contiguous(), segment_start, pos, src, T, G, n_blocks, S=S,
+                         BLOCK=ENTRY_BLOCK)
+    row_spans = torch.empty(1, 2, n_rows, dtype=torch.int32, device=device)
+    tile_segment = torch.searchsorted(ends, torch.arange(0, n_rows, ROW_TILE, device=device), right=True)
+    _row_spans[(n_rows // ROW_TILE,)](row_spans, tile_segment.clamp(max=R * n_blocks - 1), segment_start, ends[-1:],
+                                      T, G, n_blocks, n_rows, MOBA_BLOCK=block_size, ROWS=ROW_TILE)
 
     # a key's span: the own rows of its query and those after it (row (t', g) sits at (t' - block start) * G + g),
     # then the block's past entries
     keys = torch.arange(T, device=device)
-    start = segment_start[:, keys // block_size]  # (R, T)
+    start = segment_start.view(R, n_blocks)[:, keys // block_size]  # (R, T)
     key_spans = torch.stack([start + keys % block_size * G, start + size[:, keys // block_size]]).int()
-    return pos.view(B, Hq, T, S), src[:n_rows], row_spans, key_spans.view(1, 2, R * T)
+    return pos, src, row_spans, key_spans.view(1, 2, R * T)
 
 
 @triton.jit
@@ -137,35 +179,39 @@ def runs_on(q: torch.Tensor) -> bool:
     return triton_hopper.runs_on(q) and not torch.are_deterministic_algorithms_enabled()
 
 
+# §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md, MoBA): at hs=128 the forward's
+# 64-key tile, which has registers to spare for the spans, and the backward's staged dK, dV
+FORWARD_TILES = {64: (128, 3, 3, True, 2), 128: (64, 3, 3, True, 2)}
+BACKWARD_TILES = {64: (2, False), 128: (2, True)}
+
+
 def forward(q, k, v, selection, block_size: int, scale: float):
-    """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and the layout (pos, src, row_spans,
-    key_spans) for the backward."""
+    """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and for the backward the gathered queries
+    (1, 1, n_rows, D) and the layout (pos, src, row_spans, key_spans)."""
     B, Hq, T, D = q.shape
     pos, src, row_spans, key_spans = entry_layout(selection, block_size, k.shape[1])
     (q_rows,) = gather_entries(q, src)
     o_rows = torch.empty_like(q_rows)
     lse_rows = torch.empty(1, 1, src.shape[0], dtype=torch.float32, device=q.device)
     # §11 the rows' attention to their blocks (not causal: the own rows' spans end at their query)
-    triton_hopper.forward(q_rows, *key_rows(k, v), o_rows, lse_rows, False, scale,
-                          triton_hopper.document_tiles(D)[0], (row_spans, None))
+    triton_hopper.forward(q_rows, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D],
+                          (row_spans, None))
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     merge_slots(o_rows.view(-1, D), lse_rows.view(-1), pos, o, lse)
-    return o, lse, pos, src, row_spans, key_spans
+    return o, lse, q_rows, pos, src, row_spans, key_spans
 
 
-def backward(do, q, k, v, o, lse, pos, src, row_spans, key_spans, scale: float):
+def backward(do, q, k, v, o, lse, q_rows, pos, src, row_spans, key_spans, scale: float):
     """-> dq (B, Hq, T, D), dk, dv (B, Hkv, T, D). §5 with each row's P taken against its query's merged lse and
     Delta, so every row's share of the gradients is exact on its own."""
     B, Hq, T, D = q.shape
-    (q_rows,) = gather_entries(q, src)
     do_rows, lse_rows, delta_rows = gather_entries(do, src, lse, row_delta(o, do))
     dk, dv = (torch.empty(B, k.shape[1], T, D, dtype=k.dtype, device=k.device) for _ in range(2))
     dk_rows, dv_rows = key_rows(dk, dv)
     dq_rows = torch.empty(src.shape[0], D, dtype=torch.float32, device=q.device)
     triton_hopper_backward.backward(do_rows, q_rows, *key_rows(k, v), None, lse_rows, None, dk_rows, dv_rows, False,
-                                    scale, triton_hopper_backward.tiles(D, dk_rows, dv_rows)[0], (key_spans, None),
-                                    delta=delta_rows, dq_acc=dq_rows)
+                                    scale, BACKWARD_TILES[D], (key_spans, None), delta=delta_rows, dq_acc=dq_rows)
     dq = empty_bthd(B, Hq, T, D, q)
     merge_slots(dq_rows, None, pos, dq, None, scale)  # the rows' dS K, summed and scaled
     return dq, dk, dv
