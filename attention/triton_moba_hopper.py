@@ -20,7 +20,7 @@ import triton.language as tl
 
 from . import triton_hopper, triton_hopper_backward
 from .triton_dispatch import empty_bthd
-from .triton_moba import merge_slots, row_delta
+from .triton_moba import merge_slots
 
 ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, triton_hopper.document_tiles): segments start on one
 GATHER_ROWS = 64  # rows per _gather_entries program
@@ -136,34 +136,38 @@ def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[to
 
 
 @triton.jit
-def _gather_entries(SRC, X, X_ROWS, stride_xb, stride_xh, stride_xt, stride_xd, LSE, DELTA, LSE_ROWS, DELTA_ROWS, H, T,
-                    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+def _gather_entries(SRC, X, X_ROWS, stride_xb, stride_xh, stride_xt, stride_xd, LSE, O, stride_ob, stride_oh, stride_ot,
+                    stride_od, LSE_ROWS, DELTA_ROWS, H, T, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """Row r of X_ROWS (n_rows, D) = row SRC[r] of X (B, H, T, D), zeros for padding (SRC -1: finite rows, so P = 0
-    there, not NaN); with LSE and DELTA (B*H*T,) also the row's lse (+inf for padding: P = 0, §5) and Delta (0)."""
+    there, not NaN); with LSE (B*H*T,) and O (B, H, T, D), X being dO, also the row's lse (+inf for padding: P = 0,
+    §5) and Delta = rowsum(dO * O) (0), reading O's row here rather than in a pass of its own."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
     src = tl.load(SRC + rows)
     real = src >= 0
     src = tl.where(real, src, 0)
-    bh, t = src // T, src % T
+    b, h, t = src // T // H, src // T % H, src % T
     cols = tl.arange(0, HEAD_DIM)  # (D,)
-    x = tl.load(X + ((bh // H).to(tl.int64) * stride_xb + (bh % H) * stride_xh + t.to(tl.int64) * stride_xt)[:, None]
+    x = tl.load(X + (b.to(tl.int64) * stride_xb + h * stride_xh + t.to(tl.int64) * stride_xt)[:, None]
                 + cols[None, :] * stride_xd, mask=real[:, None], other=0.0)
     tl.store(X_ROWS + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :], x)
     if LSE is not None:
+        o = tl.load(O + (b.to(tl.int64) * stride_ob + h * stride_oh + t.to(tl.int64) * stride_ot)[:, None]
+                    + cols[None, :] * stride_od, mask=real[:, None], other=0.0)
         tl.store(LSE_ROWS + rows, tl.load(LSE + src, mask=real, other=float("inf")))
-        tl.store(DELTA_ROWS + rows, tl.load(DELTA + src, mask=real, other=0.0))
+        tl.store(DELTA_ROWS + rows, tl.sum(x.to(tl.float32) * o.to(tl.float32), 1))
 
 
 def gather_entries(x: torch.Tensor, src: torch.Tensor, lse: torch.Tensor | None = None,
-                   delta: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """x (B, H, T, D) -> [its rows in the layout's order (1, 1, n_rows, D)], and with lse, delta (B, H, T) float32
-    theirs too (1, 1, n_rows) each."""
+                   o: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """x (B, H, T, D) -> [its rows in the layout's order (1, 1, n_rows, D)], and with lse (B, H, T) float32 and o
+    (B, H, T, D), x being dO, the rows' lse and Delta = rowsum(dO * O) too, (1, 1, n_rows) each."""
     n_rows, D = src.shape[0], x.shape[-1]
     x_rows = x.new_empty(1, 1, n_rows, D)
     row_values = [torch.empty(1, 1, n_rows, dtype=torch.float32, device=x.device) for _ in range(2)] if lse is not None \
         else [None, None]
-    _gather_entries[(n_rows // GATHER_ROWS,)](src, x, x_rows, *x.stride(), lse, delta, *row_values, x.shape[1], x.shape[2],
-                                              HEAD_DIM=D, ROWS=GATHER_ROWS)
+    o_strides = (0, 0, 0, 0) if o is None else o.stride()
+    _gather_entries[(n_rows // GATHER_ROWS,)](src, x, x_rows, *x.stride(), lse, o, *o_strides, *row_values, x.shape[1],
+                                              x.shape[2], HEAD_DIM=D, ROWS=GATHER_ROWS)
     return [x_rows] + ([] if lse is None else row_values)
 
 
@@ -206,7 +210,7 @@ def backward(do, q, k, v, o, lse, q_rows, pos, src, row_spans, key_spans, scale:
     """-> dq (B, Hq, T, D), dk, dv (B, Hkv, T, D). §5 with each row's P taken against its query's merged lse and
     Delta, so every row's share of the gradients is exact on its own."""
     B, Hq, T, D = q.shape
-    do_rows, lse_rows, delta_rows = gather_entries(do, src, lse, row_delta(o, do))
+    do_rows, lse_rows, delta_rows = gather_entries(do, src, lse, o)
     dk, dv = (torch.empty(B, k.shape[1], T, D, dtype=k.dtype, device=k.device) for _ in range(2))
     dk_rows, dv_rows = key_rows(dk, dv)
     dq_rows = torch.empty(src.shape[0], D, dtype=torch.float32, device=q.device)
