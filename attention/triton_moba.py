@@ -1,5 +1,6 @@
-"""MoBA (attention/moba.py) in Triton: each query attends only to the key blocks it selected (§11 of
-docs/flash_attention.md).
+"""MoBA (attention/moba.py) in Triton's `tl`: each query attends only to the key blocks it selected (§11 of
+docs/flash_attention.md). These kernels run on every GPU and in the CPU interpreter; on an sm_90 GPU
+triton_moba_op.py runs triton_moba_hopper.py instead, which shares the router and the merge.
 
 Queries next to each other select different blocks, so a tile of consecutive queries would have to
 visit the union of their selections, which for a long sequence is nearly every block. Instead the
@@ -12,6 +13,7 @@ them, the same rescaling as the online softmax (§2), done once across slots ins
 Kernels (reusing the dense kernels' tile functions from triton_flash.py):
   _moba_gate       the router: block scores and top-k for a tile of queries (moba_select, fused)
   _moba_fwd        a program per (key block, tile of its entries): partial out + lse per entry
+  _moba_merge      a query's slots combined by log-sum-exp (dQ: summed), through a table of rows
   _row_delta       Delta = rowsum(dO * O) per query, before the backward kernels (§5)
   _moba_bwd_dq     the same programs: dQ per entry, summed over a query's slots afterwards
   _moba_bwd_dkdv   a program per (key tile, batch*kv_head): dK, dV from every entry of its block,

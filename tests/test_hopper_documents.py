@@ -73,16 +73,19 @@ def test_spans_go_to_the_kernels_for_documents_alone_on_hopper(monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.parametrize("mode", ["--documents", "--spans"])
 @pytest.mark.parametrize("backward", [False, True])
-def test_document_kernels_build_for_hopper(backward):
-    # in a process of its own, as tests/test_triton_hopper.py's builds; the document mode of every tile it runs with
+def test_document_kernels_build_for_hopper(backward, mode):
+    # in a process of its own, as tests/test_triton_hopper.py's builds; the document mode of every tile it runs with,
+    # and spans without ids (MoBA's rows, §11)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--documents",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", mode,
                           *(["--backward"] if backward else [])], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert builds and all(built["documents"] and built["setmaxnreg"] and built["hgmma"] > 0 for built in builds)
+    assert builds and all(built["documents"] == mode[2:] and built["setmaxnreg"] and built["hgmma"] > 0
+                          for built in builds)
 
 
 # --- on the GPU -------------------------------------------------------------------------------------------------

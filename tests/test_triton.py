@@ -11,7 +11,7 @@ from helpers import (ROOT, assert_bitwise_deterministic, assert_compiled_matches
                      assert_qkvpacked_matches_fp64, packed_qkv, projection_views, qkv)
 
 from attention import (attention, attention_qkvpacked, causal_mask, triton_dispatch, triton_flash, triton_hopper,
-                       triton_hopper_backward, triton_support)
+                       triton_hopper_backward, triton_moba_hopper, triton_support)
 from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
 
 
@@ -216,7 +216,8 @@ def test_torch_compile_fullgraph(packed):
     assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
 
 
-@pytest.mark.parametrize("module", [triton_flash, triton_hopper, triton_hopper_backward], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [triton_flash, triton_hopper, triton_hopper_backward, triton_moba_hopper],
+                         ids=lambda m: m.__name__)
 def test_doc_and_kernel_point_at_each_other(module):
     # docs/flash_attention.md cites kernel code as `triton_flash.py:name` (`triton_hopper.py:name`, ...) and the
     # kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel (a @triton.jit or
