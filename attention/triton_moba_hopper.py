@@ -3,8 +3,8 @@ block it reads, becomes a row of one cross-attention problem whose rows and keys
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
     layout = entry_layout(selection, block_size, Hkv)     # where each entry's row goes, and the spans
-    o, lse, q_rows, *layout = forward(q, k, v, selection, block_size, scale)
-    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, *layout, scale)
+    o, lse, q_rows, pos, src, key_spans = forward(q, k, v, selection, block_size, scale)
+    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, pos, src, key_spans, scale)
 
 The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries gathered
 block by block: for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's
@@ -183,15 +183,15 @@ def runs_on(q: torch.Tensor) -> bool:
     return triton_hopper.runs_on(q) and not torch.are_deterministic_algorithms_enabled()
 
 
-# §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md, MoBA): at hs=128 the forward's
-# 64-key tile, which has registers to spare for the spans, and the backward's staged dK, dV
+# §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md section 11): at hs=128 the
+# forward's 64-key tile, which has registers to spare for the spans, and the backward's staged dK, dV
 FORWARD_TILES = {64: (128, 3, 3, True, 2), 128: (64, 3, 3, True, 2)}
 BACKWARD_TILES = {64: (2, False), 128: (2, True)}
 
 
 def forward(q, k, v, selection, block_size: int, scale: float):
     """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and for the backward the gathered queries
-    (1, 1, n_rows, D) and the layout (pos, src, row_spans, key_spans)."""
+    (1, 1, n_rows, D) and the layout's pos, src and key_spans (entry_layout)."""
     B, Hq, T, D = q.shape
     pos, src, row_spans, key_spans = entry_layout(selection, block_size, k.shape[1])
     (q_rows,) = gather_entries(q, src)
@@ -203,10 +203,10 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     merge_slots(o_rows.view(-1, D), lse_rows.view(-1), pos, o, lse)
-    return o, lse, q_rows, pos, src, row_spans, key_spans
+    return o, lse, q_rows, pos, src, key_spans
 
 
-def backward(do, q, k, v, o, lse, q_rows, pos, src, row_spans, key_spans, scale: float):
+def backward(do, q, k, v, o, lse, q_rows, pos, src, key_spans, scale: float):
     """-> dq (B, Hq, T, D), dk, dv (B, Hkv, T, D). §5 with each row's P taken against its query's merged lse and
     Delta, so every row's share of the gradients is exact on its own."""
     B, Hq, T, D = q.shape
