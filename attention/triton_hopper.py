@@ -606,8 +606,9 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. documents: (spans, ids) where attention
     stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
-    with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11). -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o,
-    lse, scale, documents), the same launch for tensors shaped, strided and aligned like these."""
+    with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
+    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, documents), the
+    same launch for tensors shaped, strided and aligned like these."""
     B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):

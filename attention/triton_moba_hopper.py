@@ -22,7 +22,7 @@ from . import triton_hopper, triton_hopper_backward
 from .triton_dispatch import empty_bthd
 from .triton_moba import merge_slots
 
-ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, triton_hopper.document_tiles): segments start on one
+ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, triton_hopper.document_tiles): a segment's start
 GATHER_ROWS = 64  # rows per _gather_entries program
 
 
@@ -163,8 +163,8 @@ def gather_entries(x: torch.Tensor, src: torch.Tensor, lse: torch.Tensor | None 
     (B, H, T, D), x being dO, the rows' lse and Delta = rowsum(dO * O) too, (1, 1, n_rows) each."""
     n_rows, D = src.shape[0], x.shape[-1]
     x_rows = x.new_empty(1, 1, n_rows, D)
-    row_values = [torch.empty(1, 1, n_rows, dtype=torch.float32, device=x.device) for _ in range(2)] if lse is not None \
-        else [None, None]
+    row_values = [None, None] if lse is None else \
+        [torch.empty(1, 1, n_rows, dtype=torch.float32, device=x.device) for _ in range(2)]
     o_strides = (0, 0, 0, 0) if o is None else o.stride()
     _gather_entries[(n_rows // GATHER_ROWS,)](src, x, x_rows, *x.stride(), lse, o, *o_strides, *row_values, x.shape[1],
                                               x.shape[2], HEAD_DIM=D, ROWS=GATHER_ROWS)
