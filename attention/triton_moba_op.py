@@ -10,7 +10,6 @@ import triton
 from . import triton_moba, triton_moba_hopper
 from .ops import define_op
 from .triton_dispatch import HOPPER_MODE, empty_bthd
-from .triton_moba_hopper import layout_rows
 from .triton_tuner import candidate_tiles
 
 
@@ -37,7 +36,7 @@ moba_bwd = define_op("moba_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o
 def _moba_hopper_fwd_fake(q, k, v, selection, block_size, scale):
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], selection.shape[-1]
-    n_rows = layout_rows(B, Hq, Hkv, T, S, block_size)
+    n_rows = triton_moba_hopper.layout_rows(B, Hq, Hkv, T, S, block_size)
     return (empty_bthd(B, Hq, T, D, q), q.new_empty(B, Hq, T, dtype=torch.float32), q.new_empty(1, 1, n_rows, D),
             q.new_empty(B, Hq, T, S, dtype=torch.int32), q.new_empty(n_rows, dtype=torch.int32),
             q.new_empty(1, 2, B * Hkv * T, dtype=torch.int32))
