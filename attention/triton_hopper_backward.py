@@ -21,6 +21,8 @@ buffer scaled and rounded into dq) run around it.
 Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
 tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
 rows stay in L2 (_key_tile, DQ_GROUP_BYTES): the adds then meet in L2 instead of going to DRAM and back.
+A caller whose query rows are copies (MoBA's entries, §11) instead names for each row the buffer row it adds into
+(backward's dq_into); the consumers then add by atomics from their registers, with no staging tile.
 
 Scores are transposed (keys x query rows) because the consumers own keys: S^T's rows are the accumulator rows dK and
 dV need as the left operand, with no transpose through shared memory; only dS, which dQ needs with query rows first,
@@ -67,6 +69,13 @@ if gluon is not None:
     # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded by TMA as they are (no swizzle)
     ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
+    @triton.constexpr_function
+    def dq_cols(head_dim):
+        """The columns of a query tile's dQ a consumer warpgroup adds at once (in the kernel and on the host), and so
+        whether the warpgroups take turns (_key_gradients' TURNS): all of them at hs=64, where they do, half at
+        hs=128, where each adds half of every tile's."""
+        return head_dim if head_dim == 64 else head_dim // 2
+
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_N = tl.constexpr(128)  # keys per program: 64 per consumer warpgroup (one wgmma is 64 rows tall)
 KEYS = tl.constexpr(64)  # keys per consumer warpgroup
@@ -92,7 +101,8 @@ def attn_bwd_prepare(O, DO, LSE, KNOWN_DELTA, LSE_ROW, DELTA, DQ_ACC, stride_ob,
     """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5), or KNOWN_DELTA
     (B*H, Tq) where the caller has it (then O is not read), and lse * lse_unit, the lse in the units the kernel
     subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no
-    row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds."""
+    row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the caller
+    gives the buffer (DQ_ACC None)."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
@@ -110,7 +120,8 @@ def attn_bwd_prepare(O, DO, LSE, KNOWN_DELTA, LSE_ROW, DELTA, DQ_ACC, stride_ob,
     row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
     tl.store(DELTA + row_index, delta)
     tl.store(LSE_ROW + row_index, lse * lse_unit)
-    tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
+    if DQ_ACC is not None:
+        tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
 
 
 @triton.jit
@@ -121,7 +132,8 @@ def attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
     cols = tl.arange(0, HEAD_DIM)  # (D,)
-    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * Tq_pad + rows)[:, None] * HEAD_DIM + cols[None, :])
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * Tq_pad + rows)[:, None] * HEAD_DIM + cols[None, :],
+                  mask=(rows < Tq)[:, None])
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt + cols[None, :],
              (acc * scale).to(DQ.dtype.element_ty), mask=(rows < Tq)[:, None])
 
@@ -213,24 +225,50 @@ if gluon is not None:
         return warpgroup_mma(ds_smem.index(u % 2).permute((1, 0)), k_cols,
                              gl.zeros([BLOCK_M, COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
 
+    @triton.constexpr_function
+    def _add_layout(cols):
+        """The layout a warpgroup adds a (BLOCK_M, cols) dQ block from by atomics: four adjacent columns per thread,
+        so that each warp's add is two whole rows, 16-byte vectors (_add_dq_cols)."""
+        return gl.BlockedLayout([1, 4], [32 * 4 // cols, cols // 4], [4, 1], [1, 0])
+
     @gluon.jit
-    def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, dq_desc, dq_smem, bh, start_m, Tq_pad):
-        """Query tile u's dQ[:, first_col:] done, the warpgroup's n-th: free its dS^T buffer, and have the copy engine
-        add dq into the float32 buffer's rows of query head bh from a staging tile. A warpgroup has STAGING of them
-        (attn_bwd_ws), used in turn: the n-th is free once at most STAGING - 1 reductions still read theirs."""
-        STAGING: gl.constexpr = dq_smem.shape[0] // 2
+    def _dq_targets(DQ_ROWS, bh, start_m, Tq, HEAD_DIM: gl.constexpr, COLS: gl.constexpr):
+        """Where each row of query tile start_m of query head bh adds its dQ: the offset of a row of the float32 buffer
+        (M,) (negative for none), whose index DQ_ROWS (B*Hq*Tq,) holds (§11 "MoBA on the Hopper kernels": MoBA's rows
+        add into their queries'). In _add_layout, and whole multiples of HEAD_DIM, so that the adds go out four
+        columns at a time."""
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _add_layout(COLS)))  # (M,)
+        return gl.load(DQ_ROWS + bh.to(gl.int64) * Tq + rows, mask=rows < Tq, other=-1).to(gl.int64) * HEAD_DIM
+
+    @gluon.jit
+    def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, DQ_ACC, dq_smem, targets, bh, start_m, Tq_pad):
+        """Query tile u's dQ[:, first_col:] done, the warpgroup's n-th: free its dS^T buffer, and add dq into the
+        float32 buffer. Without targets the copy engine adds it into the rows of query head bh (DQ_ACC a descriptor)
+        from a staging tile; a warpgroup has STAGING of them (attn_bwd_ws), used in turn: the n-th is free once at most
+        STAGING - 1 reductions still read theirs. With targets (_dq_targets) the warpgroup adds it by atomics into
+        the rows they name (DQ_ACC a pointer), from _add_layout: each warp's add is two whole rows of the block, which
+        L2 adds sector by sector as it adds the copy engine's (from dq's own layout a warp's add would touch eight rows
+        two columns at a time: twice the instructions, and measured slower)."""
         mbarrier.arrive(ds_empty.index(u % 2), count=1)
-        staging = dq_smem.index(WG * STAGING + n % STAGING)  # (M, C)
-        tma.store_wait(STAGING - 1)
-        staging.store(dq)
-        fence_async_shared()  # the stores, visible to the copy engine
-        _tma_add(dq_desc, [bh * Tq_pad + start_m, first_col], staging)
+        if targets is None:
+            STAGING: gl.constexpr = dq_smem.shape[0] // 2
+            staging = dq_smem.index(WG * STAGING + n % STAGING)  # (M, C)
+            tma.store_wait(STAGING - 1)
+            staging.store(dq)
+            fence_async_shared()  # the stores, visible to the copy engine
+            _tma_add(DQ_ACC, [bh * Tq_pad + start_m, first_col], staging)
+        else:
+            add_layout: gl.constexpr = _add_layout(dq.shape[1])
+            cols = first_col + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, add_layout))  # (C,)
+            gl.atomic_add(DQ_ACC + targets[:, None] + cols[None, :], gl.convert_layout(dq, add_layout),
+                          mask=(targets >= 0)[:, None], sem="relaxed")
 
     @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
-                       stride_dvb, stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group,
-                       Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
+                       stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads,
+                       heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids,
+                       ROWS_FIRST: gl.constexpr):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
         of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
         row values (row_values_first)."""
@@ -242,8 +280,8 @@ if gluon is not None:
         # waiting, so the two meet every other tile, and dQ's wgmma is N=64 wide instead of 32, reading dS from shared
         # memory once for twice the products (§13 "dQ in turns"). hs=128: each computes half of dQ's columns of every
         # tile; turns there are slower (whole (M, 128) float32 blocks: 64 KB of staging, 230 KB of shared memory in
-        # all; §13 "dQ by columns"). Which one, dq_cols_block decides (the staging tiles' width)
-        TURNS: gl.constexpr = dq_smem.shape[2] == HEAD_DIM
+        # all; §13 "dQ by columns"). Which one, dq_cols decides
+        TURNS: gl.constexpr = dq_cols(HEAD_DIM) == HEAD_DIM
         # without turns warpgroup 1 computes each query tile's dQ half one tile late (§13); with them each
         # warpgroup already skips every other meeting
         LAG: gl.constexpr = 0 if TURNS else 1
@@ -341,19 +379,25 @@ if gluon is not None:
                 n_dq = u
             if takes_dq:
                 dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
+                bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
+                # the rows' targets are read while the matmuls run
+                targets = (None if DQ_ROWS is None else
+                           _dq_targets(DQ_ROWS, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
-                bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-                _add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
+                _add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
             else:  # not this warpgroup's turn (hs=64), or warpgroup 1's first tile at hs=128
                 dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)
         if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
             if n_tiles > 0:
                 u = n_tiles - 1
-                dq = warpgroup_mma_wait(0, deps=[_dq_cols(u, ds_smem, k_dq, ds_ready)])
+                dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
                 bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-                _add_dq_cols(WG, u, u, dq, dq_col, ds_empty, dq_desc, dq_smem, bh_u, start_u, Tq_pad)
+                targets = (None if DQ_ROWS is None else
+                           _dq_targets(DQ_ROWS, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+                dq = warpgroup_mma_wait(0, deps=[dq_token])
+                _add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
         # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
@@ -382,30 +426,33 @@ if gluon is not None:
     @gluon.jit
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
+                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group,
+                       Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
+                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                       Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group,
+                       Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
     def attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
-                     stride_dvb, stride_dvh, stride_dvt, dq_desc, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, scale, SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                     stride_dvb, stride_dvh, stride_dvt, DQ_ACC, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq,
+                     Tq_pad, Tk, diag, scale, SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
         """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
-        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None."""
+        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
+        DQ_ACC: the float32 dQ buffer, a descriptor of (BLOCK_M, dq_cols) blocks, or with DQ_ROWS a pointer
+        (_add_dq_cols)."""
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
         dtype: gl.constexpr = q_desc.dtype
         # K is read whole (S^T, per warpgroup) and by column halves (dQ): swizzled in atoms of D/2 columns, so a half
         # is whole atoms (the descriptor's layout is the same, kv_layout below)
@@ -417,13 +464,14 @@ if gluon is not None:
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)  # dS^T, double-buffered
-        # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds (dq_cols_block), laid out as
+        # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds, laid out as
         # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged; one at
         # hs=128, where the 32 KB it frees goes to L1, which holds the spilled loop scalars (§13 "Head dim 128:
-        # registers")
-        STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, dq_desc.block_type.shape[1]],
-                                            dq_desc.layout)
+        # registers"). The atomics (DQ_ROWS) add from the registers and need none
+        dq_smem: gl.constexpr = None
+        if DQ_ROWS is None:
+            STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, DQ_COLS], DQ_ACC.layout)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -434,19 +482,20 @@ if gluon is not None:
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(k_free, count=2)
+
         for i in gl.static_range(STAGES):
             mbarrier.init(qdo_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
             # the warpgroups that read a dS^T buffer for dQ: in turns (whole-width dQ blocks) the one whose turn it is
-            mbarrier.init(ds_empty.index(i), count=1 if dq_desc.block_type.shape[1] == HEAD_DIM else 2)
+            mbarrier.init(ds_empty.index(i), count=1 if DQ_COLS == HEAD_DIM else 2)
         fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, dq_desc, dq_smem, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag,
-                         scale * LOG2E, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
@@ -479,23 +528,24 @@ def row_values_first(head_dim: int) -> bool:
     return head_dim == 128
 
 
-def dq_cols_block(head_dim: int) -> tuple[int, int]:
-    """The block of the float32 dQ buffer a consumer warpgroup adds at once, and so whether the warpgroups take
-    turns (_key_gradients' TURNS): (M, D) at hs=64, where they do, (M, D/2) at hs=128, where each adds half of the
-    columns of every tile."""
-    return BLOCK_M.value, head_dim if head_dim == 64 else head_dim // 2
+def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float) -> Launched:
+    """dq (B, H, Tq, D), any strides, = scale * the float32 dS K in dq_acc (B*H*Tq_pad, D) (attn_bwd_finish_dq)."""
+    B, H, Tq, D = dq.shape
+    return launch(attn_bwd_finish_dq, (triton.cdiv(Tq, BLOCK_M.value), B * H),
+                  (dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale), HEAD_DIM=D, ROWS=BLOCK_M.value)
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool],
              documents: tuple[torch.Tensor, torch.Tensor] | None = None, delta: torch.Tensor | None = None,
-             dq_acc: torch.Tensor | None = None) -> Launched:
+             dq_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
     triton_hopper.forward takes them, the spans here per key (§14). delta: Delta (B, Hq, Tq) float32 where the caller
-    has it (o is then None). dq_acc: a float32 (B*Hq*Tq_pad, D) buffer, Tq_pad = Tq rounded up to BLOCK_M, to leave dQ
-    in, unscaled (dS K), instead of writing dq (None). -> Launched: the compiled main kernel and again(do, q, k, v, o,
-    lse, dq, dk, dv, scale, documents), the same three launches for tensors shaped, strided and aligned like these
-    (for calls without delta and dq_acc)."""
+    has it (o is then None). dq_into: (buffer, rows) to add dQ into instead of writing dq (None), by atomics, unscaled
+    (dS K): query row i of head (b, h) adds into row rows[(b * Hq + h) * Tq + i] of buffer, a zeroed float32 (n, D)
+    the caller reads; -1 for none (MoBA's rows add into their queries', §11). -> Launched: the compiled main kernel and
+    again(do, q, k, v, o, lse, dq, dk, dv, scale, documents), the same three launches for tensors shaped, strided and
+    aligned like these (for calls without delta and dq_into)."""
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
@@ -503,13 +553,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     rows_grid = (n_m_tiles, B * Hq)
     device = q.device  # (again must not keep q alive)
 
-    def buffers(dq_acc=None):
-        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D) unless given: the pre-pass writes all three"""
+    def buffers(with_dq=True):
+        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D) (or None): the pre-pass writes all three"""
         lse_row = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
-        if dq_acc is None:
-            dq_acc = torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device)
+        dq_acc = torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device) if with_dq else None
         return lse_row, torch.empty_like(lse_row), dq_acc
-    lse_row, delta_row, dq_acc = buffers(dq_acc)
+    lse_row, delta_row, dq_acc = buffers(with_dq=dq_into is None)
     rows_first = row_values_first(D)
 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
@@ -523,10 +572,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
     lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)
                             for t in (lse_row, delta_row))
-    # the float32 dQ buffer's rows, added into by dq_cols_block blocks
-    dq_block = dq_cols_block(D)
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
-                               triton_hopper.shared_layout(dq_block, torch.float32))
+    # the float32 dQ buffer's rows, added into by (BLOCK_M, dq_cols) blocks by the copy engine, or by atomics at
+    # dq_into's rows
+    dq_block = (BLOCK_M.value, dq_cols(D))
+    dq_args = dq_into if dq_into is not None else (
+        TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
+                         triton_hopper.shared_layout(dq_block, torch.float32)), None)
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
     heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
@@ -541,23 +592,22 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
     first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
-                                                  *dkdv(dk, dv), *grad_strides, dq_desc, *sizes_main, scale,
+                                                  *dkdv(dk, dv), *grad_strides, *dq_args, *sizes_main, scale,
                                                   *triton_hopper.document_args(documents)),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
-    if dq is None:  # the caller reads dq_acc
+    if dq_into is not None:  # the caller reads the buffer
         return Launched(first_main.compiled, None)
-    sizes_finish = (*dq.stride()[:3], Hq, Tq, Tq_pad)
-    first_finish = launch(attn_bwd_finish_dq, rows_grid, (dq_acc, dq, *sizes_finish, scale), HEAD_DIM=D,
-                          ROWS=BLOCK_M.value)
+    first_finish = finish_dq(dq_acc, dq, Tq_pad, scale)
     # again keeps the descriptors' layouts, not this call's tensors (the float32 dQ buffer alone is B*Hq*Tq*D*4 bytes)
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
-        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
+        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_args[0]))
 
     def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
         lse_row, delta_row, dq_acc = buffers()
         first_prepare.again(o, do, lse, None, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
                          rebased(lse_desc, lse_row), rebased(delta_desc, delta_row), *dkdv(dk, dv), *grad_strides,
-                         rebased(dq_desc, dq_acc), *sizes_main, scale, *triton_hopper.document_args(documents))
-        first_finish.again(dq_acc, dq, *sizes_finish, scale)
+                         rebased(dq_desc, dq_acc), None, *sizes_main, scale,
+                         *triton_hopper.document_args(documents))
+        first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale)
     return Launched(first_main.compiled, again)

@@ -270,13 +270,13 @@ def _moba_dkdv_masked(dk, dv, k, v, k_pos, Q, DO, LSE, DELTA, ENTRIES, rows, cou
 
 
 @triton.jit
-def _moba_merge(PART, LSE_PART, POS, OUT, LSE, stride_part, stride_ob, stride_oh, stride_ot, stride_od, H, T, scale,
+def _moba_merge(PART, LSE_PART, POS, OUT, LSE, stride_part, stride_ob, stride_oh, stride_ot, stride_od, H, T,
                 S: tl.constexpr, WEIGHTED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_T: tl.constexpr):
     """§11 merge of each query's slots into OUT (B, H, T, D): slot s of query t is row POS[b, h, t, s] of PART
     (rows of BLOCK_D values, stride_part apart) and LSE_PART; empty slots (POS -1), whose rows were never written,
     are skipped. WEIGHTED (forward): the log-sum-exp merge of partial outputs, also storing the row's lse; otherwise
-    (dQ) a plain sum, times scale."""
+    (dQ) a plain sum."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (T_tile,)
@@ -297,7 +297,7 @@ def _moba_merge(PART, LSE_PART, POS, OUT, LSE, stride_part, stride_ob, stride_oh
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for s in tl.static_range(S):
         row = tl.load(POS + slots + s, mask=t < T, other=-1)
-        weight = tl.where(row >= 0, scale, 0.0)
+        weight = tl.where(row >= 0, 1.0, 0.0)
         if WEIGHTED:
             weight = tl.exp(tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")) - lse)
         part = tl.load(PART + row.to(tl.int64)[:, None] * stride_part + cols[None, :], mask=(row >= 0)[:, None],
@@ -381,13 +381,13 @@ MERGE_ROWS = 32  # queries per merge program (_moba_merge): S partial rows of D 
 DELTA_ROWS = 64  # queries per _row_delta program
 
 
-def merge_slots(part, lse_part, pos, out, lse, scale: float = 1.0) -> None:
+def merge_slots(part, lse_part, pos, out, lse) -> None:
     """Each query's slots into out (B, H, T, D) (_moba_merge): with lse (B, H, T) the log-sum-exp merge of the
-    partial outputs part (rows, BLOCK_D) and their lse_part (rows,), else the sum of the rows of part times scale.
+    partial outputs part (rows, BLOCK_D) and their lse_part (rows,), else the sum of the rows of part.
     pos (B, H, T, S) int32: the row of each slot, -1 for an empty one."""
     B, H, T, _ = out.shape
     _moba_merge[(triton.cdiv(T, MERGE_ROWS), B * H)](
-        part, lse_part, pos, out, lse, part.stride(-2), *out.stride(), H, T, scale, S=pos.shape[-1],
+        part, lse_part, pos, out, lse, part.stride(-2), *out.stride(), H, T, S=pos.shape[-1],
         WEIGHTED=lse is not None, HEAD_DIM=out.shape[-1], BLOCK_D=part.shape[-1], BLOCK_T=MERGE_ROWS)
 
 

@@ -3,16 +3,17 @@ block it reads, becomes a row of one cross-attention problem whose rows and keys
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
     layout = entry_layout(selection, block_size, Hkv)     # where each entry's row goes, and the spans
-    o, lse, q_rows, pos, src, key_spans = forward(q, k, v, selection, block_size, scale)
-    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, pos, src, key_spans, scale)
+    o, lse, q_rows, src, key_spans = forward(q, k, v, selection, block_size, scale)
+    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, src, key_spans, scale)
 
 The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries gathered
 block by block: for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's
 heads side by side), then every entry that chose it as a past block, padded to a whole forward tile. A row's span
 is the keys it sees: its block, and for an own entry the block up to the query. A key's span is the rows that see
 it: from the own rows of its query on to the segment's end, one interval, so the backward needs nothing else.
-The forward leaves an output and lse per row, which a merge by log-sum-exp combines per query; the backward
-leaves dQ per row, which the same merge sums, and dK, dV whole, the keys' gradients from all their rows.
+The forward leaves an output and lse per row, which a merge by log-sum-exp combines per query; the backward adds
+each row's dQ into its query's row of one float32 buffer, and leaves dK, dV whole, the keys' gradients from all their
+rows.
 """
 import torch
 import triton
@@ -191,7 +192,7 @@ BACKWARD_TILES = {64: (2, False), 128: (2, True)}
 
 def forward(q, k, v, selection, block_size: int, scale: float):
     """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and for the backward the gathered queries
-    (1, 1, n_rows, D) and the layout's pos, src and key_spans (entry_layout)."""
+    (1, 1, n_rows, D) and the layout's src and key_spans (entry_layout)."""
     B, Hq, T, D = q.shape
     pos, src, row_spans, key_spans = entry_layout(selection, block_size, k.shape[1])
     (q_rows,) = gather_entries(q, src)
@@ -203,19 +204,22 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     merge_slots(o_rows.view(-1, D), lse_rows.view(-1), pos, o, lse)
-    return o, lse, q_rows, pos, src, key_spans
+    return o, lse, q_rows, src, key_spans
 
 
-def backward(do, q, k, v, o, lse, q_rows, pos, src, key_spans, scale: float):
+def backward(do, q, k, v, o, lse, q_rows, src, key_spans, scale: float):
     """-> dq (B, Hq, T, D), dk, dv (B, Hkv, T, D). §5 with each row's P taken against its query's merged lse and
     Delta, so every row's share of the gradients is exact on its own."""
     B, Hq, T, D = q.shape
     do_rows, lse_rows, delta_rows = gather_entries(do, src, lse, o)
     dk, dv = (torch.empty(B, k.shape[1], T, D, dtype=k.dtype, device=k.device) for _ in range(2))
     dk_rows, dv_rows = key_rows(dk, dv)
-    dq_rows = torch.empty(src.shape[0], D, dtype=torch.float32, device=q.device)
+    # each row adds its dS K into its query's row (src numbers them); programs go key block by key block, so the
+    # rows of the head being worked on meet in L2
+    dq_acc = torch.zeros(B * Hq * T, D, dtype=torch.float32, device=q.device)
     triton_hopper_backward.backward(do_rows, q_rows, *key_rows(k, v), None, lse_rows, None, dk_rows, dv_rows, False,
-                                    scale, BACKWARD_TILES[D], (key_spans, None), delta=delta_rows, dq_acc=dq_rows)
+                                    scale, BACKWARD_TILES[D], (key_spans, None), delta=delta_rows,
+                                    dq_into=(dq_acc, src))
     dq = empty_bthd(B, Hq, T, D, q)
-    merge_slots(dq_rows, None, pos, dq, None, scale)  # the rows' dS K, summed and scaled
+    triton_hopper_backward.finish_dq(dq_acc, dq, T, scale)
     return dq, dk, dv

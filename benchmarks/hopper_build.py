@@ -1,7 +1,7 @@
 """Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
 (attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
-tile: registers, spills, wgmma (HGMMA) and barrier instructions in the SASS, the copy engine's reductions and
-stores in the PTX, shared memory.
+tile: registers, spills, wgmma (HGMMA), barrier and 16-byte atomic add instructions in the SASS, the copy engine's
+reductions and stores in the PTX, shared memory.
 For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
 change in a new Triton, or a change that makes a kernel spill, fails there.
 
@@ -78,23 +78,27 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it."""
+    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it. With spans alone (MoBA's, §11) dQ is added by
+    atomics at the rows' targets, as triton_moba_hopper.backward runs it."""
     hb = triton_hopper_backward
     stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
-    dq_block = hb.dq_cols_block(head_dim)
-    dq = f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
+    dq_block = (hb.BLOCK_M.value, hb.dq_cols(head_dim))
+    dq = (dict(DQ_ACC="*fp32", DQ_ROWS="*i32") if documents == "spans" else
+          dict(DQ_ACC=f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"))
+    dq_constants = {} if documents == "spans" else dict(DQ_ROWS=None)
     dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
     signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
                      do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK=dkdv,
                      DV=dkdv, **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
                                                "stride_dvt"], "i32"),
-                     dq_desc=dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
+                     **dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
                                                   "Tk", "diag"], "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
     return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
-                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **doc_constants), hb.LAUNCH_REGS)
+                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **dq_constants, **doc_constants),
+                    hb.LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -111,6 +115,7 @@ def report(kernel) -> tuple[dict, str]:
     return dict(registers=number("REG"), stack_bytes=number("STACK"), local_bytes=number("LOCAL"),
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
                 bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
+                vector_atomic_adds=sass.count("REDG.E.ADD.F32x4"),
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass

@@ -110,6 +110,22 @@ def test_hopper_layout_spans_are_moba(B, Hq, Hkv, T, block_size, topk):
     reference = naive_attention(q, k, v, causal=True, scale=D ** -0.5, visible=moba_mask(selection, block_size, T))
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
 
+    # the backward over the rows: each row's P against its query's merged lse and Delta, its dS K added into its
+    # query's row (src), dK and dV summed over the rows that see each key
+    do = torch.randn_like(q)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(naive_attention(q, k, v, causal=True, scale=D ** -0.5,
+                                                visible=moba_mask(selection, block_size, T)), (q, k, v), do)
+    q, k, v = (t.detach() for t in (q, k, v))
+    rows = src.clamp(min=0)
+    p = torch.exp(s - lse.flatten()[rows, None]) * real[:, None]
+    do_rows = do.reshape(-1, D)[rows] * real[:, None]
+    delta = (do * reference).sum(-1).flatten()[rows]
+    ds = p * (do_rows @ v.reshape(-1, D).T - delta[:, None])
+    dq = torch.zeros(B * Hq * T, D, dtype=torch.float64).index_add_(0, src[real], (ds @ k_rows)[real])
+    for grad, expected in zip((dq * D ** -0.5, ds.T @ q_rows * D ** -0.5, p.T @ do_rows), grads):
+        torch.testing.assert_close(grad.view(expected.shape), expected)
+
 
 def test_gathered_rows_are_the_queries_and_padding_is_finite():
     q, do, o = qkv(1, 2, 2, 50, 50, 16, seed=0)

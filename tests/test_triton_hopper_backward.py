@@ -86,10 +86,11 @@ def test_pre_and_post_pass():
     torch.testing.assert_close(lse_row[:, :Tq], lse.reshape(B * H, Tq) * lse_unit)
     assert (delta[:, Tq:] == 0).all() and (lse_row[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
 
-    # a caller that has Delta already (MoBA's gathered rows, §11) passes it, and O is not read
+    # a caller that has Delta already (MoBA's gathered rows, §11) passes it, and O is not read; its dQ buffer is
+    # its own (no DQ_ACC to zero)
     known = torch.randn(B * H, Tq)
     delta.fill_(float("nan"))
-    triton_hopper_backward.attn_bwd_prepare[grid](None, None, lse, known, lse_row, delta, dq_acc, 0, 0, 0, 0, 0, 0,
+    triton_hopper_backward.attn_bwd_prepare[grid](None, None, lse, known, lse_row, delta, None, 0, 0, 0, 0, 0, 0,
                                                    H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
     assert torch.equal(delta[:, :Tq], known) and (delta[:, Tq:] == 0).all()
 
@@ -98,6 +99,10 @@ def test_pre_and_post_pass():
     triton_hopper_backward.attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
                                                      ROWS=rows)
     torch.testing.assert_close(dq, (dq_acc[:, :Tq] * scale).half().reshape(B, H, Tq, D))
+    # and from a buffer of the rows alone (MoBA's, one row per query), through the launcher
+    dq_acc = torch.randn(B * H * Tq, D)
+    triton_hopper_backward.finish_dq(dq_acc, dq, Tq, scale)
+    torch.testing.assert_close(dq, (dq_acc * scale).half().reshape(B, H, Tq, D))
 
 
 def test_hopper_mode_1_takes_the_first_tile_and_determinism_keeps_the_tl_kernels(monkeypatch):
