@@ -337,8 +337,16 @@ def _moba_gate(Q, MEANS, SELECTION, stride_qb, stride_qh, stride_qt, stride_qd, 
     blocks = tl.arange(0, BLOCK_B)  # (NB,)
     means = tl.load(MEANS + ((b * (H // GROUP) + h // GROUP) * n_blocks + blocks)[:, None] * HEAD_DIM + cols[None, :],
                     mask=(blocks[:, None] < n_blocks) & (cols[None, :] < HEAD_DIM), other=0.0)  # (NB, D) float32
-    # tf32x3: three TF32 products, fp32-accurate and on tensor cores ("ieee" fp32 ran ~30x slower here)
-    scores = tl.dot(q.to(tl.float32), tl.trans(means), input_precision="tf32x3")  # (M, NB)
+    # fp32-accurate scores on tensor cores ("ieee" fp32 runs far slower here): tf32x3, three TF32 products that split
+    # both sides into a TF32 part and the rest; a 16-bit q is a TF32 number already, so only the means are split and
+    # two products give the same sum
+    if q.dtype == tl.float32:
+        scores = tl.dot(q, tl.trans(means), input_precision="tf32x3")  # (M, NB)
+    else:
+        means_tf32 = (means.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)  # 10-bit mantissa
+        q = q.to(tl.float32)
+        scores = (tl.dot(q, tl.trans(means_tf32), input_precision="tf32")
+                  + tl.dot(q, tl.trans(means - means_tf32), input_precision="tf32"))
     own = q_pos // MOBA_BLOCK  # (M,)
     scores = tl.where(blocks[None, :] < own[:, None], scores, float("-inf"))  # past blocks only
     out = SELECTION + (bh.to(tl.int64) * T + q_pos) * (TOPK + 1)  # (M,) each query's row

@@ -176,9 +176,11 @@ def test_moba_compiled_matches_eager():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("Hkv, T, topk", [(2, 100, 2), (4, 64, 5), (1, 130, 1)])
-def test_fused_gate_selects_like_moba_select(Hkv, T, topk):
-    q, k, _ = qkv(2, 4, Hkv, T, T, 16, seed=0)
+@pytest.mark.parametrize("Hkv, T, topk, dtype", [(2, 100, 2, torch.float32), (4, 64, 5, torch.float32),
+                                                 (1, 130, 1, torch.float32), (2, 100, 3, torch.float16)])
+def test_fused_gate_selects_like_moba_select(Hkv, T, topk, dtype):
+    # fp16: the scores from the means split in two (a 16-bit q is exact in TF32)
+    q, k, _ = qkv(2, 4, Hkv, T, T, 16, dtype, seed=0)
     assert torch.equal(moba_gate(q, block_means(k, 16), 16, topk), moba_select(q, k, 16, topk))
 
 
