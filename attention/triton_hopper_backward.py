@@ -482,7 +482,6 @@ if gluon is not None:
         ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         mbarrier.init(k_free, count=2)
-
         for i in gl.static_range(STAGES):
             mbarrier.init(qdo_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup

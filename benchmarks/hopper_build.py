@@ -93,8 +93,8 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
                      do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK=dkdv,
                      DV=dkdv, **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
                                                "stride_dvt"], "i32"),
-                     **dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad",
-                                                  "Tk", "diag"], "i32"), scale="fp32")
+                     **dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk",
+                                            "diag"], "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
     return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
                     dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **dq_constants, **doc_constants),
