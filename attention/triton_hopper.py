@@ -47,6 +47,7 @@ gluon = None
 if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -75,6 +76,9 @@ ROWS = tl.constexpr(64)  # query rows per consumer warpgroup: one wgmma is 64 ro
 # to the consumers, which hold S, P and O
 REGS = {2: (168, 240), 3: (128, 160)}
 PRODUCER_REGS = tl.constexpr(24)
+# the producer's warps: one issues every TMA copy; a gathered problem's row copies (gather_rows) take a warpgroup,
+# which the register split above gives the producer anyway
+GATHER_WARPS = tl.constexpr(4)
 # shared memory a program may take on Hopper (227 KB), less what the barriers and the compiler's scratch need
 SHARED_BYTES = tl.constexpr(227 * 1024 - 2048)
 
@@ -83,6 +87,8 @@ if gluon is not None:
     # Triton 3.9 renamed the TMA load and store; these names serve 3.6 and 3.9 alike
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # gather_rows' copies: four threads per row, each 16 bytes of every 64 (sectors read whole), warps along the rows
+    GATHER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [GATHER_WARPS, 1], [1, 0]))
 
     @triton.constexpr_function
     def _o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
@@ -112,6 +118,14 @@ if gluon is not None:
         return gl.load(base + row), gl.load(base + T + row)
 
     @gluon.jit
+    def _item_tile(t, per_turn, n_m_tiles, BLOCK_M: gl.constexpr):
+        """This program's t-th work item -> (batch*head, first query row), as _work_item takes them."""
+        w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
+        rank = w % n_m_tiles
+        return w // n_m_tiles, gl.where((per_turn == 2) & (rank % 2 == 1), rank // 2,
+                                        n_m_tiles - 1 - rank // per_turn) * BLOCK_M
+
+    @gluon.jit
     def _work_item(t, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                    DOCUMENTS: gl.constexpr):
         """This program's t-th work item -> (batch*head, first query row, first and end key tile to visit). The query
@@ -121,10 +135,7 @@ if gluon is not None:
         last, second, ..., so a pair is a long and a short tile whose key tiles add up to the same count for every
         pair, and every program's share is as long as any other's. With DOCUMENTS the key tiles run from the one
         holding the first row's document start to the last row's last key in its document (§14)."""
-        w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
-        bh = w // n_m_tiles
-        rank = w % n_m_tiles
-        start_m = gl.where((per_turn == 2) & (rank % 2 == 1), rank // 2, n_m_tiles - 1 - rank // per_turn) * BLOCK_M
+        bh, start_m = _item_tile(t, per_turn, n_m_tiles, BLOCK_M)
         # §6 the key tiles the tile's last row sees; at least one, so each consumer has a tile to wait for
         last_row = gl.minimum(start_m + BLOCK_M, Tq) - 1
         last_key = gl.minimum(last_row + diag, Tk - 1)
@@ -137,14 +148,25 @@ if gluon is not None:
         return bh, start_m, first_tile, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1)
 
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS):
+    def _item_sources(ROW_SRC, t, n_items, per_turn, n_m_tiles, Tq, BLOCK_M: gl.constexpr):
+        """A gathered problem's source rows of work item t's two halves (row_sources; -1 throughout past the last
+        item): a gathered problem runs two consumers."""
+        bh, start_m = _item_tile(t, per_turn, n_m_tiles, BLOCK_M)
+        row_src = ROW_SRC + bh.to(gl.int64) * Tq
+        n_rows = gl.where(t < n_items, Tq, 0)
+        return row_sources(row_src, start_m, n_rows, ROWS), row_sources(row_src, start_m + ROWS, n_rows, ROWS)
+
+    @gluon.jit
+    def _load_tiles(Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
+                    stride_qh, stride_qt, H_src, T_src):
         """The producer warp: for each of the program's work items, Q (once every consumer is done with the
         previous item's), then K_j, V_j. With one ring (K_STAGES == V_STAGES) both into slot j % STAGES, counted
         in by one barrier. With split rings (V_STAGES < K_STAGES) each into its own, K a tile ahead: K_0, K_1,
         V_0, K_2, V_1, ... (the consumers release each K once its S is computed, each V a tile later, after its
         P V). Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D) block: rows past T arrive as zeros,
-        whatever the strides (§9), so a ragged last tile needs no special load."""
+        whatever the strides (§9), so a ragged last tile needs no special load. With ROW_SRC (a gathered problem,
+        §11) Q is a pointer to q (B, H_src, T_src, D) and its rows come by gather_rows."""
         # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
         HEAD_DIM: gl.constexpr = k_smem.shape[2]
         Q_BUFFERS: gl.constexpr = q_ready.shape[0]
@@ -154,7 +176,10 @@ if gluon is not None:
         SPLIT: gl.constexpr = v_smem.shape[0] < k_smem.shape[0]
         DOCUMENTS: gl.constexpr = SPANS is not None  # §14 (None survives the hand-over as a constant; False does not)
         loaded = 0  # key tiles loaded so far, over all items: tile number t goes to slot t % (its ring's slots)
-        for item in range(_items(n_work, per_turn)):
+        n_items = _items(n_work, per_turn)
+        if ROW_SRC is not None:  # a gathered problem (§11): the first item's source rows, each later one's an item ahead
+            src_0, src_1 = _item_sources(ROW_SRC, 0, n_items, per_turn, n_m_tiles, Tq, BLOCK_M)
+        for item in range(n_items):
             bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
                                                            BLOCK_M, DOCUMENTS)
             b, h = bh // H, bh % H
@@ -163,10 +188,20 @@ if gluon is not None:
             # as having completed the phase before phase 0: the first waits pass at once
             buffer = item % Q_BUFFERS
             mbarrier.wait(q_empty.index(buffer), ((item // Q_BUFFERS) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(buffer), CONSUMERS * q_desc.block_type.nbytes)
-            for wg in gl.static_range(CONSUMERS):
-                tma_load(q_desc, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
-                          q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
+            if ROW_SRC is not None:
+                gather_rows(src_0, H_src, T_src, q_smem.index(buffer * 2), Q, stride_qb, stride_qh, stride_qt,
+                            None, None, 0, 0, 0)
+                gather_rows(src_1, H_src, T_src, q_smem.index(buffer * 2 + 1), Q, stride_qb, stride_qh, stride_qt,
+                            None, None, 0, 0, 0)
+                # the phase completes once every copy has landed, and the arrival below
+                async_copy.mbarrier_arrive(q_ready.index(buffer))
+                mbarrier.arrive(q_ready.index(buffer), count=1)
+                src_0, src_1 = _item_sources(ROW_SRC, item + 1, n_items, per_turn, n_m_tiles, Tq, BLOCK_M)
+            else:
+                mbarrier.expect(q_ready.index(buffer), CONSUMERS * Q.block_type.nbytes)
+                for wg in gl.static_range(CONSUMERS):
+                    tma_load(Q, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
+                              q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
             for j in range(first_tile, end_tile):
                 if SPLIT:
                     _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
@@ -181,6 +216,33 @@ if gluon is not None:
                 _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + end_tile - 1,
                            [b, h // GROUP, (end_tile - 1) * BLOCK_N, 0], 1)
             loaded += end_tile - first_tile
+
+    @gluon.jit
+    def row_sources(ROW_SRC, first, n_rows, R: gl.constexpr):
+        """The source rows of a gathered problem's rows first ... first + R - 1 (-1 for none, and past n_rows), in
+        gather_rows' layout. The producer loads them a tile ahead of their copies, so it never waits for them."""
+        rows = first + gl.arange(0, R, layout=gl.SliceLayout(1, GATHER_LAYOUT))  # (R,)
+        return gl.load(ROW_SRC + rows, mask=rows < n_rows, other=-1)
+
+    @gluon.jit
+    def gather_rows(src, H, T, smem, X, stride_xb, stride_xh, stride_xt, smem_2, X_2, stride_2b, stride_2h,
+                    stride_2t):
+        """The producer's copy of a gathered problem's rows into smem (R, D) (§11 "MoBA on the Hopper kernels"): row i
+        is row src[i] (row_sources) of X (B, H, T, D), numbered (b * H + h) * T + t, zeros where src is -1. With X_2
+        (its own strides; None for none) the same rows of it into smem_2 (the backward's dO beside Q). The copy
+        engine moves boxes of a tensor, not rows an index picks, so these are the producer's own asynchronous
+        16-byte copies (cp.async), the whole tile at once from GATHER_WARPS warps; the caller's
+        async_copy.mbarrier_arrive makes a barrier wait for them."""
+        cols = gl.arange(0, smem.shape[1], layout=gl.SliceLayout(0, GATHER_LAYOUT))[None, :]  # (1, D)
+        real = (src >= 0)[:, None]
+        src = gl.maximum(src, 0)
+        bh, t = src // T, (src % T).to(gl.int64)
+        b, h = (bh // H).to(gl.int64), bh % H
+        async_copy.async_copy_global_to_shared(
+            smem, X + (b * stride_xb + h * stride_xh + t * stride_xt)[:, None] + cols, mask=real)
+        if X_2 is not None:
+            async_copy.async_copy_global_to_shared(
+                smem_2, X_2 + (b * stride_2b + h * stride_2h + t * stride_2t)[:, None] + cols, mask=real)
 
     @gluon.jit
     def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
@@ -275,7 +337,7 @@ if gluon is not None:
     @gluon.jit
     def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                       o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
-                      diag, qk_scale, SPANS, IDS, stride_ids):
+                      diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
         """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
         and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
         attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
@@ -345,6 +407,8 @@ if gluon is not None:
             n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
             buffer = item % Q_BUFFERS
             mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
+            if ROW_SRC is not None:  # gathered rows: the warp's copies, visible to the wgmma that reads them
+                fence_async_shared()
             if Q_IN_REGISTERS:
                 q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
                 # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
@@ -465,45 +529,48 @@ if gluon is not None:
     @gluon.jit
     def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale, SPANS, IDS, stride_ids):
+                        qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
         _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                       O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                      SPANS, IDS, stride_ids)
+                      SPANS, IDS, stride_ids, ROW_SRC)
 
     @gluon.jit
     def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale, SPANS, IDS, stride_ids):
+                        qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
         _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                       O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                      SPANS, IDS, stride_ids)
+                      SPANS, IDS, stride_ids, ROW_SRC)
 
     @gluon.jit
     def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                         o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                        qk_scale, SPANS, IDS, stride_ids):
+                        qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
         _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                       O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                      SPANS, IDS, stride_ids)
+                      SPANS, IDS, stride_ids, ROW_SRC)
 
     @gluon.jit
-    def attn_fwd_ws(q_desc, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
-                     scale, n_work, per_turn, SPANS, IDS, stride_ids, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+    def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
+                     scale, n_work, per_turn, SPANS, IDS, stride_ids, ROW_SRC, stride_qb, stride_qh, stride_qt, H_src,
+                     T_src, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                      V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
         walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
         consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
-        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None."""
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
+        ROW_SRC: for a gathered problem (§11) the source row of each query row, Q then a pointer to q (B, H_src,
+        T_src, D) (_load_tiles); or None, Q a descriptor of the queries."""
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
         n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
         # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], q_desc.dtype)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], k_desc.dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_desc.dtype)
         # At hs=128 the consumers hold Q in registers and release its buffer as an item starts: one buffer lets the
         # next item's Q load early. At hs=64 they read it from shared memory until their last S: with a second
         # buffer the next item's Q loads while they finish this one (the last softmax, P V, the stores).
         Q_BUFFERS: gl.constexpr = 1 if HEAD_DIM == 128 else 2
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
+        q_smem = gl.allocate_shared_memory(k_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         # O's staging tiles, one per consumer, where they fit (_o_staged)
@@ -534,17 +601,19 @@ if gluon is not None:
 
         consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                          O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                         scale * 1.4426950408889634, SPANS, IDS, stride_ids)
-        producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                         v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS)
+                         scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC)
+        producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                         v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
+                         stride_qh, stride_qt, H_src, T_src)
         # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
+        PRODUCER_WARPS: gl.constexpr = 1 if ROW_SRC is None else GATHER_WARPS
         if CONSUMERS == 3:
             gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
                                 (_softmax_rows_2, consumer_args), (_load_tiles, producer_args)],
-                               [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+                               [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
-                                (_load_tiles, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                                (_load_tiles, producer_args)], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def document_args(documents: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
@@ -601,20 +670,24 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int],
-            documents: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
+            documents: tuple[torch.Tensor, torch.Tensor] | None = None, row_src: torch.Tensor | None = None) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. documents: (spans, ids) where attention
     stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
     with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
+    row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
+    numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
     -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, documents), the
-    same launch for tensors shaped, strided and aligned like these."""
-    B, Hq, Tq, _ = q.shape
+    same launch for tensors shaped, strided and aligned like these (None for a gathered problem)."""
+    B, Hq, Tq, _ = o.shape  # the problem's query rows
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):
         raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
                          "stride and 16-byte aligned start and strides; allocate it with triton_dispatch.empty_bthd")
     block_n, k_stages, v_stages, persistent, consumers = tile
+    if row_src is not None and consumers != 2:
+        raise ValueError(f"tile {tile}: a gathered problem runs two consumers (_item_sources)")
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
@@ -626,13 +699,17 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
-    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn,
-                                              *document_args(documents)),
+    gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
+    queries = descriptors[0] if row_src is None else q
+    first = launch(attn_fwd_ws, (programs,), (queries, *descriptors[1:], o, lse, *sizes, scale, n_work, per_turn,
+                                              *document_args(documents), *gathered),
                    BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
+    if row_src is not None:
+        return Launched(first.compiled, None)
     q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
 
     def again(q, k, v, o, lse, scale, documents=None):
         first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), rebased(o_desc, o), o, lse,
-                    *sizes, scale, n_work, per_turn, *document_args(documents))
+                    *sizes, scale, n_work, per_turn, *document_args(documents), *gathered)
     return Launched(first.compiled, again)

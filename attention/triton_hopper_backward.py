@@ -21,8 +21,9 @@ buffer scaled and rounded into dq) run around it.
 Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
 tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
 rows stay in L2 (_key_tile, DQ_GROUP_BYTES): the adds then meet in L2 instead of going to DRAM and back.
-A caller whose query rows are copies (MoBA's entries, §11) instead names for each row the buffer row it adds into
-(backward's dq_into); the consumers then add by atomics from their registers, with no staging tile.
+A gathered problem (MoBA's entries, §11: backward's `gathered`) names for each of its query rows a source row of q:
+the producer copies Q, dO, lse and Delta from there, and the consumers add the row's dQ into the buffer's row there
+by atomics from their registers, with no staging tile.
 
 Scores are transposed (keys x query rows) because the consumers own keys: S^T's rows are the accumulator rows dK and
 dV need as the left operand, with no transpose through shared memory; only dS, which dQ needs with query rows first,
@@ -52,7 +53,7 @@ import triton.language as tl
 from . import triton_hopper
 from .launch import Launched, launch
 from .triton_hopper import gluon  # None before Triton 3.6
-from .triton_hopper import PRODUCER_REGS, REGS, rebased
+from .triton_hopper import GATHER_WARPS, PRODUCER_REGS, REGS, rebased
 
 # the forward's split of the registers with two consumers: 12 warps at 168 for the launch, then 240 per consumer,
 # 24 for the producer
@@ -62,12 +63,15 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton._C.libtriton import ir
     from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
 
-    # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded by TMA as they are (no swizzle)
-    ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded as they are (no swizzle)
+    ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+    # a gathered problem's lse and Delta rows, copied by the producer's warps (_gather_row_values)
+    VALUES_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [GATHER_WARPS], [0]))
 
     @triton.constexpr_function
     def dq_cols(head_dim):
@@ -96,32 +100,31 @@ DQ_GROUP_BYTES = 8 << 20
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def attn_bwd_prepare(O, DO, LSE, KNOWN_DELTA, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob,
-                      stride_doh, stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Per query row, into (B*H, Tq_pad) buffers padded to whole tiles: Delta = rowsum(dO * O) (§5), or KNOWN_DELTA
-    (B*H, Tq) where the caller has it (then O is not read), and lse * lse_unit, the lse in the units the kernel
-    subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs no
-    row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the caller
-    gives the buffer (DQ_ACC None)."""
+def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+                      stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Per query row, into (B*H, Tq_pad) buffers, padded to whole tiles for the kernel's TMA loads (or not, Tq_pad ==
+    Tq, for a gathered problem's copies): Delta = rowsum(dO * O) (§5) and lse * lse_unit, the lse in the units the
+    kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs
+    no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the
+    caller gives the buffer (DQ_ACC None)."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
     cols = tl.arange(0, HEAD_DIM)  # (D,)
     real = rows < Tq
-    if KNOWN_DELTA is None:
-        o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
-                    mask=real[:, None], other=0.0)
-        do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
-                     mask=real[:, None], other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    else:
-        delta = tl.load(KNOWN_DELTA + bh.to(tl.int64) * Tq + rows, mask=real, other=0.0)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+                mask=real[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
+                 mask=real[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
     row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
-    tl.store(DELTA + row_index, delta)
-    tl.store(LSE_ROW + row_index, lse * lse_unit)
+    padded = rows < Tq_pad
+    tl.store(DELTA + row_index, delta, mask=padded)
+    tl.store(LSE_ROW + row_index, lse * lse_unit, mask=padded)
     if DQ_ACC is not None:
-        tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32))
+        tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
+                 mask=padded[:, None])
 
 
 @triton.jit
@@ -186,11 +189,13 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _load_query_tiles(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
-                          lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads,
-                          heads_per_group, Tq, Tq_pad, Tk, diag, SPANS):
+    def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                          kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk,
+                          diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
+                          H_src, T_src):
         """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
-        them, for each query head of the kv head's group (§7), into the ring."""
+        them, for each query head of the kv head's group (§7), into the ring: by TMA from descriptors, or for a
+        gathered problem (ROW_SRC, §11) by the warp's own copies from their source rows (triton_hopper.gather_rows)."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
@@ -203,16 +208,46 @@ if gluon is not None:
             slot = t % STAGES
             mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's first wait passes
             ready = qdo_ready.index(slot)
-            mbarrier.expect(ready, 2 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
             bh, start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)
-            h = bh - b * H_kv * GROUP
-            triton_hopper.tma_load(q_desc, [b, h, start_m, 0], ready,
-                                    q_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-            triton_hopper.tma_load(do_desc, [b, h, start_m, 0], ready,
-                                    do_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
-            row_index = bh * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
-            triton_hopper.tma_load(lse_desc, [row_index], ready, lse_smem.index(slot))
-            triton_hopper.tma_load(delta_desc, [row_index], ready, delta_smem.index(slot))
+            if ROW_SRC is not None:  # a gathered problem (§11)
+                row_src, value_src = _tile_sources(ROW_SRC, bh, start_m, Tq)
+                triton_hopper.gather_rows(row_src, H_src, T_src, q_smem.index(slot), Q, stride_qb, stride_qh,
+                                          stride_qt, do_smem.index(slot), DO, stride_dob, stride_doh, stride_dot)
+                _gather_row_values(value_src, LSE, DELTA, lse_smem.index(slot), delta_smem.index(slot))
+                # the phase completes once every copy has landed, and the arrival below
+                async_copy.mbarrier_arrive(ready)
+                mbarrier.arrive(ready, count=1)
+            else:
+                mbarrier.expect(ready, 2 * Q.block_type.nbytes + 2 * LSE.block_type.nbytes)
+                h = bh - b * H_kv * GROUP
+                triton_hopper.tma_load(Q, [b, h, start_m, 0], ready,
+                                        q_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+                triton_hopper.tma_load(DO, [b, h, start_m, 0], ready,
+                                        do_smem.index(slot).reshape([1, 1, BLOCK_M, HEAD_DIM]))
+                row_index = bh * Tq_pad + start_m  # (B*Hq, Tq_pad) flattened
+                triton_hopper.tma_load(LSE, [row_index], ready, lse_smem.index(slot))
+                triton_hopper.tma_load(DELTA, [row_index], ready, delta_smem.index(slot))
+
+    @gluon.jit
+    def _tile_sources(ROW_SRC, bh, start_m, Tq):
+        """A gathered problem's source rows of query tile start_m of query head bh, in the layouts of
+        triton_hopper.gather_rows (Q, dO) and of _gather_row_values (lse, Delta). Loaded once the tile's slot is free,
+        not a tile ahead as the forward's: the producer has a tile's time to spare here, and the indices held over
+        the loop cost more (docs/perf_notes.md section 11)."""
+        row_src = ROW_SRC + bh.to(gl.int64) * Tq
+        rows = start_m + gl.arange(0, BLOCK_M, layout=VALUES_LAYOUT)  # (M,)
+        return (triton_hopper.row_sources(row_src, start_m, Tq, BLOCK_M),
+                gl.load(row_src + rows, mask=rows < Tq, other=-1))
+
+    @gluon.jit
+    def _gather_row_values(src, LSE, DELTA, lse_smem, delta_smem):
+        """The lse and Delta (BLOCK_M,) of a gathered problem's rows, read at their source rows src (_tile_sources) as
+        triton_hopper.gather_rows reads Q and dO, by the producer's 4-byte copies. A row with none (src -1) gets 0
+        for both: its Q and dO rows are zeros, so its dS, and all it adds, are zero."""
+        real = src >= 0
+        src = gl.maximum(src, 0)
+        async_copy.async_copy_global_to_shared(lse_smem, LSE + src, mask=real)
+        async_copy.async_copy_global_to_shared(delta_smem, DELTA + src, mask=real)
 
     @gluon.jit
     def _dq_cols(u, ds_smem, k_cols, ds_ready):
@@ -232,13 +267,13 @@ if gluon is not None:
         return gl.BlockedLayout([1, 4], [32 * 4 // cols, cols // 4], [4, 1], [1, 0])
 
     @gluon.jit
-    def _dq_targets(DQ_ROWS, bh, start_m, Tq, HEAD_DIM: gl.constexpr, COLS: gl.constexpr):
+    def _dq_targets(ROW_SRC, bh, start_m, Tq, HEAD_DIM: gl.constexpr, COLS: gl.constexpr):
         """Where each row of query tile start_m of query head bh adds its dQ: the offset of a row of the float32 buffer
-        (M,) (negative for none), whose index DQ_ROWS (B*Hq*Tq,) holds (§11 "MoBA on the Hopper kernels": MoBA's rows
+        (M,) (negative for none), whose index ROW_SRC (B*Hq*Tq,) holds (§11 "MoBA on the Hopper kernels": MoBA's rows
         add into their queries'). In _add_layout, and whole multiples of HEAD_DIM, so that the adds go out four
         columns at a time."""
         rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _add_layout(COLS)))  # (M,)
-        return gl.load(DQ_ROWS + bh.to(gl.int64) * Tq + rows, mask=rows < Tq, other=-1).to(gl.int64) * HEAD_DIM
+        return gl.load(ROW_SRC + bh.to(gl.int64) * Tq + rows, mask=rows < Tq, other=-1).to(gl.int64) * HEAD_DIM
 
     @gluon.jit
     def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, DQ_ACC, dq_smem, targets, bh, start_m, Tq_pad):
@@ -266,7 +301,7 @@ if gluon is not None:
     @gluon.jit
     def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                        qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
-                       stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads,
+                       stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
                        heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids,
                        ROWS_FIRST: gl.constexpr):
         """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
@@ -322,6 +357,8 @@ if gluon is not None:
             buf = t % 2
             start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
             mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
+            if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmmas that read them
+                fence_async_shared()
             lse_row = lse_smem.index(slot).load(row_layout)  # (M,) lse in S^T's units or in base 2; +inf in padding
             q = q_smem.index(slot)  # (M, D)
             do = do_smem.index(slot)
@@ -381,8 +418,8 @@ if gluon is not None:
                 dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
                 bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
                 # the rows' targets are read while the matmuls run
-                targets = (None if DQ_ROWS is None else
-                           _dq_targets(DQ_ROWS, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+                targets = (None if ROW_SRC is None else
+                           _dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
                 dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
                 mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
                 _add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
@@ -394,8 +431,8 @@ if gluon is not None:
                 u = n_tiles - 1
                 dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
                 bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-                targets = (None if DQ_ROWS is None else
-                           _dq_targets(DQ_ROWS, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+                targets = (None if ROW_SRC is None else
+                           _dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
                 dq = warpgroup_mma_wait(0, deps=[dq_token])
                 _add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
         tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
@@ -426,34 +463,38 @@ if gluon is not None:
     @gluon.jit
     def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                          Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group,
+                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                        Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
     def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                          Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
         _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                        qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
-                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group,
+                       stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                        Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
 
     @gluon.jit
-    def attn_bwd_ws(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, DK, DV, stride_dkb, stride_dkh, stride_dkt,
-                     stride_dvb, stride_dvh, stride_dvt, DQ_ACC, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq,
-                     Tq_pad, Tk, diag, scale, SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+    def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
+                     stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
+                     stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
+                     SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
         """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
         SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
-        DQ_ACC: the float32 dQ buffer, a descriptor of (BLOCK_M, dq_cols) blocks, or with DQ_ROWS a pointer
-        (_add_dq_cols)."""
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
+        (ROW_SRC, §11) pointers to q and dO (B, H_src, T_src, D), each row of the problem reading its source row
+        (_load_query_tiles), and to the pre-pass's (B*H_src*T_src,) rows.
+        DQ_ACC: the float32 dQ buffer, a descriptor of (BLOCK_M, dq_cols) blocks, or with ROW_SRC a pointer that each
+        row adds into at its source row (_add_dq_cols)."""
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
         DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
-        dtype: gl.constexpr = q_desc.dtype
+        dtype: gl.constexpr = k_desc.dtype
         # K is read whole (S^T, per warpgroup) and by column halves (dQ): swizzled in atoms of D/2 columns, so a half
         # is whole atoms (the descriptor's layout is the same, kv_layout below)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HEAD_DIM, element_bitwidth=16, rank=2)
@@ -467,13 +508,13 @@ if gluon is not None:
         # dQ staging: STAGING float32 tiles per consumer warpgroup of the block it adds, laid out as
         # the copy engine reads them. Two at hs=64, so that a reduction runs on while the next dQ is staged; one at
         # hs=128, where the 32 KB it frees goes to L1, which holds the spilled loop scalars (§13 "Head dim 128:
-        # registers"). The atomics (DQ_ROWS) add from the registers and need none
+        # registers"). The atomics (ROW_SRC) add from the registers and need none
         dq_smem: gl.constexpr = None
-        if DQ_ROWS is None:
+        if ROW_SRC is None:
             STAGING: gl.constexpr = 2 if HEAD_DIM == 64 else 1
             dq_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGING, BLOCK_M, DQ_COLS], DQ_ACC.layout)
-        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -493,15 +534,16 @@ if gluon is not None:
 
         consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                          ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
-                         stride_dvt, DQ_ACC, dq_smem, DQ_ROWS, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
+                         stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                          Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
         gl.warp_specialize([
             (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
             (_key_gradients_1, consumer_args),
-            (_load_query_tiles, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-                                 do_smem, lse_smem, delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP,
-                                 n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, SPANS)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+            (_load_query_tiles, (k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                                 delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group,
+                                 Tq, Tq_pad, Tk, diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob,
+                                 stride_doh, stride_dot, H_src, T_src)),
+        ], [4, 1 if ROW_SRC is None else GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def supports(q, k, v, o, do, grads, dense: bool) -> bool:
@@ -535,50 +577,58 @@ def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float)
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: tuple[int, bool],
-             documents: tuple[torch.Tensor, torch.Tensor] | None = None, delta: torch.Tensor | None = None,
-             dq_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
+             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
-    triton_hopper.forward takes them, the spans here per key (§14). delta: Delta (B, Hq, Tq) float32 where the caller
-    has it (o is then None). dq_into: (buffer, rows) to add dQ into instead of writing dq (None), by atomics, unscaled
-    (dS K): query row i of head (b, h) adds into row rows[(b * Hq + h) * Tq + i] of buffer, a zeroed float32 (n, D)
-    the caller reads; -1 for none (MoBA's rows add into their queries', §11). -> Launched: the compiled main kernel and
-    again(do, q, k, v, o, lse, dq, dk, dv, scale, documents), the same three launches for tensors shaped, strided and
-    aligned like these (for calls without delta and dq_into)."""
-    B, Hq, Tq, D = q.shape
+    triton_hopper.forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
+    as triton_hopper.forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
+    and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
+    reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. -> Launched: the compiled
+    main kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale, documents), the same three launches for tensors
+    shaped, strided and aligned like these (None for a gathered problem)."""
+    B, Hq, T, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    n_m_tiles = triton.cdiv(Tq, BLOCK_M.value)
-    Tq_pad = n_m_tiles * BLOCK_M.value
-    rows_grid = (n_m_tiles, B * Hq)
+    row_src, given_dq_acc = gathered or (None, None)
+    # the pre-pass's rows per query head, padded to whole tiles for the TMA loads (a gathered problem copies rows)
+    T_pad = T if row_src is not None else triton.cdiv(T, BLOCK_M.value) * BLOCK_M.value
+    rows_grid = (triton.cdiv(T, BLOCK_M.value), B * Hq)
+    # the query rows the main kernel walks: q's, or the gathered ones, of one batch entry and head as k and v then are
+    B_rows, H_rows, Tq = (B, Hq, T) if row_src is None else (1, 1, row_src.shape[0])
+    Tq_pad = T_pad if row_src is None else Tq
     device = q.device  # (again must not keep q alive)
 
     def buffers(with_dq=True):
-        """lse, Delta (B*Hq*Tq_pad,) and the float32 dQ (B*Hq*Tq_pad, D) (or None): the pre-pass writes all three"""
-        lse_row = torch.empty(B * Hq * Tq_pad, dtype=torch.float32, device=device)
-        dq_acc = torch.empty(B * Hq * Tq_pad, D, dtype=torch.float32, device=device) if with_dq else None
+        """lse, Delta (B*Hq*T_pad,) and the float32 dQ (B*Hq*T_pad, D) (or None): the pre-pass writes all three"""
+        lse_row = torch.empty(B * Hq * T_pad, dtype=torch.float32, device=device)
+        dq_acc = torch.empty(B * Hq * T_pad, D, dtype=torch.float32, device=device) if with_dq else None
         return lse_row, torch.empty_like(lse_row), dq_acc
-    lse_row, delta_row, dq_acc = buffers(with_dq=dq_into is None)
+    lse_row, delta_row, dq_acc = buffers(with_dq=row_src is None)
     rows_first = row_values_first(D)
 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
         return 1 / scale if rows_first else LOG2E.value
-    sizes_prepare = ((0, 0, 0) if o is None else o.stride()[:3]) + (*do.stride()[:3], Hq, Tq, Tq_pad)
+    sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
     first_prepare = launch(attn_bwd_prepare, rows_grid,
-                           (o, do, lse, delta, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale)),
+                           (o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale)),
                            HEAD_DIM=D, ROWS=BLOCK_M.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (triton_hopper.descriptor(t, BLOCK_N.value, swizzle=D) for t in (k, v))
-    q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
-    lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT)
-                            for t in (lse_row, delta_row))
-    # the float32 dQ buffer's rows, added into by (BLOCK_M, dq_cols) blocks by the copy engine, or by atomics at
-    # dq_into's rows
-    dq_block = (BLOCK_M.value, dq_cols(D))
-    dq_args = dq_into if dq_into is not None else (
-        TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
-                         triton_hopper.shared_layout(dq_block, torch.float32)), None)
+    if row_src is None:
+        q_desc, do_desc = (triton_hopper.descriptor(t, BLOCK_M.value) for t in (q, do))
+        lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], ROW_LAYOUT.value)
+                                for t in (lse_row, delta_row))
+        # the float32 dQ buffer's rows, added into by (BLOCK_M, dq_cols) blocks by the copy engine
+        dq_block = (BLOCK_M.value, dq_cols(D))
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
+                                   triton_hopper.shared_layout(dq_block, torch.float32))
+        rows_args = (q_desc, do_desc, lse_desc, delta_desc, dq_desc)
+        sources = (None, 0, 0, 0, 0, 0, 0, 0, 0)
+    else:
+        rows_args = (q, do, lse_row, delta_row, given_dq_acc)
+        sources = (row_src, *q.stride()[:3], *do.stride()[:3], Hq, T)
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
-    heads_per_group = max(1, DQ_GROUP_BYTES // ((Hq // Hkv) * Tq_pad * D * 4))
+    heads_per_group = max(1, DQ_GROUP_BYTES // ((H_rows // Hkv) * Tq_pad * D * 4))
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
     # DK, DV: the gradients, or with a staged tile descriptors of (1, 1, 64, D) blocks swizzled as the K and V rows
@@ -588,25 +638,25 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
 
     def dkdv(dk, dv):
         return tuple(rebased(desc, t) for desc, t in zip(dkdv_descs, (dk, dv))) if staged else (dk, dv)
-    sizes_main = (Hkv, Hq // Hkv, B * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
-    main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B * Hkv,)
-    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc,
-                                                  *dkdv(dk, dv), *grad_strides, *dq_args, *sizes_main, scale,
+    sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
+    main_grid = (triton.cdiv(Tk, BLOCK_N.value) * B_rows * Hkv,)
+    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, *rows_args[:4], *dkdv(dk, dv), *grad_strides,
+                                                  rows_args[4], *sources, *sizes_main, scale,
                                                   *triton_hopper.document_args(documents)),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=LAUNCH_REGS)
-    if dq_into is not None:  # the caller reads the buffer
+    if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
-    first_finish = finish_dq(dq_acc, dq, Tq_pad, scale)
+    first_finish = finish_dq(dq_acc, dq, T_pad, scale)
     # again keeps the descriptors' layouts, not this call's tensors (the float32 dQ buffer alone is B*Hq*Tq*D*4 bytes)
     k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
-        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_args[0]))
+        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
 
     def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
         lse_row, delta_row, dq_acc = buffers()
-        first_prepare.again(o, do, lse, None, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
+        first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
         first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
                          rebased(lse_desc, lse_row), rebased(delta_desc, delta_row), *dkdv(dk, dv), *grad_strides,
-                         rebased(dq_desc, dq_acc), None, *sizes_main, scale,
+                         rebased(dq_desc, dq_acc), *sources, *sizes_main, scale,
                          *triton_hopper.document_args(documents))
-        first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, Tq, Tq_pad, scale)
+        first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
     return Launched(first_main.compiled, again)

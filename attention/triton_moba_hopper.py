@@ -3,12 +3,14 @@ block it reads, becomes a row of one cross-attention problem whose rows and keys
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
     layout = entry_layout(selection, block_size, Hkv)     # where each entry's row goes, and the spans
-    o, lse, q_rows, src, key_spans = forward(q, k, v, selection, block_size, scale)
-    dq, dk, dv = backward(do, q, k, v, o, lse, q_rows, src, key_spans, scale)
+    o, lse, src, key_spans = forward(q, k, v, selection, block_size, scale)
+    dq, dk, dv = backward(do, q, k, v, o, lse, src, key_spans, scale)
 
-The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries gathered
-block by block: for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's
-heads side by side), then every entry that chose it as a past block, padded to a whole forward tile. A row's span
+The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries block by block:
+for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's heads side by
+side), then every entry that chose it as a past block, padded to a whole forward tile. The kernels' producer warps
+read each row from its query's row of q (and of dO in the backward; triton_hopper.gather_rows), so that no gathered
+copy of either is made. A row's span
 is the keys it sees: its block, and for an own entry the block up to the query. A key's span is the rows that see
 it: from the own rows of its query on to the segment's end, one interval, so the backward needs nothing else.
 The forward leaves an output and lse per row, which a merge by log-sum-exp combines per query; the backward adds
@@ -24,7 +26,6 @@ from .triton_dispatch import empty_bthd
 from .triton_moba import merge_slots
 
 ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, triton_hopper.document_tiles): a segment's start
-GATHER_ROWS = 64  # rows per _gather_entries program
 
 
 def layout_rows(B: int, Hq: int, Hkv: int, T: int, S: int, block_size: int) -> int:
@@ -136,42 +137,6 @@ def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[to
     return pos, src, row_spans, key_spans.view(1, 2, R * T)
 
 
-@triton.jit
-def _gather_entries(SRC, X, X_ROWS, stride_xb, stride_xh, stride_xt, stride_xd, LSE, O, stride_ob, stride_oh, stride_ot,
-                    stride_od, LSE_ROWS, DELTA_ROWS, H, T, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Row r of X_ROWS (n_rows, D) = row SRC[r] of X (B, H, T, D), zeros for padding (SRC -1: finite rows, so P = 0
-    there, not NaN); with LSE (B*H*T,) and O (B, H, T, D), X being dO, also the row's lse (+inf for padding: P = 0,
-    §5) and Delta = rowsum(dO * O) (0), reading O's row here rather than in a pass of its own."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
-    src = tl.load(SRC + rows)
-    real = src >= 0
-    src = tl.where(real, src, 0)
-    b, h, t = src // T // H, src // T % H, src % T
-    cols = tl.arange(0, HEAD_DIM)  # (D,)
-    x = tl.load(X + (b.to(tl.int64) * stride_xb + h * stride_xh + t.to(tl.int64) * stride_xt)[:, None]
-                + cols[None, :] * stride_xd, mask=real[:, None], other=0.0)
-    tl.store(X_ROWS + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :], x)
-    if LSE is not None:
-        o = tl.load(O + (b.to(tl.int64) * stride_ob + h * stride_oh + t.to(tl.int64) * stride_ot)[:, None]
-                    + cols[None, :] * stride_od, mask=real[:, None], other=0.0)
-        tl.store(LSE_ROWS + rows, tl.load(LSE + src, mask=real, other=float("inf")))
-        tl.store(DELTA_ROWS + rows, tl.sum(x.to(tl.float32) * o.to(tl.float32), 1))
-
-
-def gather_entries(x: torch.Tensor, src: torch.Tensor, lse: torch.Tensor | None = None,
-                   o: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """x (B, H, T, D) -> [its rows in the layout's order (1, 1, n_rows, D)], and with lse (B, H, T) float32 and o
-    (B, H, T, D), x being dO, the rows' lse and Delta = rowsum(dO * O) too, (1, 1, n_rows) each."""
-    n_rows, D = src.shape[0], x.shape[-1]
-    x_rows = x.new_empty(1, 1, n_rows, D)
-    row_values = [None, None] if lse is None else \
-        [torch.empty(1, 1, n_rows, dtype=torch.float32, device=x.device) for _ in range(2)]
-    o_strides = (0, 0, 0, 0) if o is None else o.stride()
-    _gather_entries[(n_rows // GATHER_ROWS,)](src, x, x_rows, *x.stride(), lse, o, *o_strides, *row_values, x.shape[1],
-                                              x.shape[2], HEAD_DIM=D, ROWS=GATHER_ROWS)
-    return [x_rows] + ([] if lse is None else row_values)
-
-
 def key_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """k, v (B, Hkv, T, D) -> the one sequence of B*Hkv*T keys the rows' spans index, (1, 1, B*Hkv*T, D) views (copies
     where k, v are not contiguous)."""
@@ -184,6 +149,12 @@ def runs_on(q: torch.Tensor) -> bool:
     return triton_hopper.runs_on(q) and not torch.are_deterministic_algorithms_enabled()
 
 
+def copyable_rows(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where the producers cannot copy its rows in 16-byte pieces (triton_hopper.tma_can_read's
+    rule, which tensors from a model's projections pass)."""
+    return t if triton_hopper.tma_can_read(t) else t.contiguous()
+
+
 # §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md section 11): at hs=128 the
 # forward's 64-key tile, which has registers to spare for the spans, and the backward's staged dK, dV
 FORWARD_TILES = {64: (128, 3, 3, True, 2), 128: (64, 3, 3, True, 2)}
@@ -191,35 +162,34 @@ BACKWARD_TILES = {64: (2, False), 128: (2, True)}
 
 
 def forward(q, k, v, selection, block_size: int, scale: float):
-    """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and for the backward the gathered queries
-    (1, 1, n_rows, D) and the layout's src and key_spans (entry_layout)."""
+    """-> out (B, Hq, T, D), lse (B, Hq, T) float32 of the merged slots, and for the backward the layout's src and
+    key_spans (entry_layout)."""
     B, Hq, T, D = q.shape
     pos, src, row_spans, key_spans = entry_layout(selection, block_size, k.shape[1])
-    (q_rows,) = gather_entries(q, src)
-    o_rows = torch.empty_like(q_rows)
+    q = copyable_rows(q)
+    o_rows = q.new_empty(1, 1, src.shape[0], D)
     lse_rows = torch.empty(1, 1, src.shape[0], dtype=torch.float32, device=q.device)
     # §11 the rows' attention to their blocks (not causal: the own rows' spans end at their query)
-    triton_hopper.forward(q_rows, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D],
-                          (row_spans, None))
+    triton_hopper.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D], (row_spans, None),
+                          row_src=src)
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     merge_slots(o_rows.view(-1, D), lse_rows.view(-1), pos, o, lse)
-    return o, lse, q_rows, src, key_spans
+    return o, lse, src, key_spans
 
 
-def backward(do, q, k, v, o, lse, q_rows, src, key_spans, scale: float):
+def backward(do, q, k, v, o, lse, src, key_spans, scale: float):
     """-> dq (B, Hq, T, D), dk, dv (B, Hkv, T, D). §5 with each row's P taken against its query's merged lse and
     Delta, so every row's share of the gradients is exact on its own."""
     B, Hq, T, D = q.shape
-    do_rows, lse_rows, delta_rows = gather_entries(do, src, lse, o)
+    q, do = copyable_rows(q), copyable_rows(do)
     dk, dv = (torch.empty(B, k.shape[1], T, D, dtype=k.dtype, device=k.device) for _ in range(2))
     dk_rows, dv_rows = key_rows(dk, dv)
     # each row adds its dS K into its query's row (src numbers them); programs go key block by key block, so the
     # rows of the head being worked on meet in L2
     dq_acc = torch.zeros(B * Hq * T, D, dtype=torch.float32, device=q.device)
-    triton_hopper_backward.backward(do_rows, q_rows, *key_rows(k, v), None, lse_rows, None, dk_rows, dv_rows, False,
-                                    scale, BACKWARD_TILES[D], (key_spans, None), delta=delta_rows,
-                                    dq_into=(dq_acc, src))
+    triton_hopper_backward.backward(do, q, *key_rows(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
+                                    BACKWARD_TILES[D], (key_spans, None), gathered=(src, dq_acc))
     dq = empty_bthd(B, Hq, T, D, q)
     triton_hopper_backward.finish_dq(dq_acc, dq, T, scale)
     return dq, dk, dv

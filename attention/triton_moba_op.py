@@ -37,21 +37,21 @@ def _moba_hopper_fwd_fake(q, k, v, selection, block_size, scale):
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], selection.shape[-1]
     n_rows = triton_moba_hopper.layout_rows(B, Hq, Hkv, T, S, block_size)
-    return (empty_bthd(B, Hq, T, D, q), q.new_empty(B, Hq, T, dtype=torch.float32), q.new_empty(1, 1, n_rows, D),
+    return (empty_bthd(B, Hq, T, D, q), q.new_empty(B, Hq, T, dtype=torch.float32),
             q.new_empty(n_rows, dtype=torch.int32), q.new_empty(1, 2, B * Hkv * T, dtype=torch.int32))
 
 
 moba_hopper_fwd = define_op("moba_hopper_fwd(Tensor q, Tensor k, Tensor v, Tensor selection, int block_size, "
-                            "float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                            "float scale) -> (Tensor, Tensor, Tensor, Tensor)",
                             triton_moba_hopper.forward, _moba_hopper_fwd_fake)
 
 
-def _moba_hopper_bwd_fake(do, q, k, v, o, lse, q_rows, src, key_spans, scale):
+def _moba_hopper_bwd_fake(do, q, k, v, o, lse, src, key_spans, scale):
     return empty_bthd(*q.shape, q), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 moba_hopper_bwd = define_op("moba_hopper_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
-                            "Tensor q_rows, Tensor src, Tensor key_spans, float scale) "
+                            "Tensor src, Tensor key_spans, float scale) "
                             "-> (Tensor, Tensor, Tensor)", triton_moba_hopper.backward, _moba_hopper_bwd_fake)
 
 

@@ -49,6 +49,13 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
+def _gathered_args(documents: str | None, names: list[str]) -> tuple[dict, dict]:
+    """-> (signature, constants) of a kernel's ROW_SRC and the source tensors' strides and sizes `names`: a gathered
+    problem's (MoBA's, §11) with spans alone, None (a constant) otherwise."""
+    sizes = dict.fromkeys(names, "i32")
+    return (dict(ROW_SRC="*i32", **sizes), {}) if documents == "spans" else (sizes, dict(ROW_SRC=None))
+
+
 def _document_args(documents: str | None) -> tuple[dict, dict]:
     """-> (signature, constants) of the kernels' SPANS, IDS, stride_ids: int32 spans and int64 ids (a model's
     document ids) in the document mode ("documents"), int32 spans alone ("spans", MoBA's, §11), None (constants)
@@ -66,38 +73,43 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = triton_hopper.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
-    signature = dict(q_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim),
-                     k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
+    gathered_signature, gathered_constants = _gathered_args(
+        documents, ["stride_qb", "stride_qh", "stride_qt", "H_src", "T_src"])
+    queries = "*bf16" if documents == "spans" else _descriptor_type(triton_hopper.ROWS.value, head_dim)
+    signature = dict(Q=queries, k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
                      o_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
-                     diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature)
+                     diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature, **gathered_signature)
     return _compile(triton_hopper.attn_fwd_ws, signature,
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                         CONSUMER_REGS=consumer_regs, **doc_constants), launch_regs)
+                         CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants), launch_regs)
 
 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it. With spans alone (MoBA's, §11) dQ is added by
-    atomics at the rows' targets, as triton_moba_hopper.backward runs it."""
+    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it. With spans alone (MoBA's, §11) the problem is a
+    gathered one, as triton_moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there."""
     hb = triton_hopper_backward
     stages, staged = tile
     kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
-    rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT}>"
+    rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT.value}>"
     dq_block = (hb.BLOCK_M.value, hb.dq_cols(head_dim))
-    dq = (dict(DQ_ACC="*fp32", DQ_ROWS="*i32") if documents == "spans" else
-          dict(DQ_ACC=f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"))
-    dq_constants = {} if documents == "spans" else dict(DQ_ROWS=None)
+    gathered = documents == "spans"
+    dq = "*fp32" if gathered else \
+        f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
+    gathered_signature, gathered_constants = _gathered_args(
+        documents, ["stride_qb", "stride_qh", "stride_qt", "stride_dob", "stride_doh", "stride_dot", "H_src", "T_src"])
+    queries = "*bf16" if gathered else _descriptor_type(hb.BLOCK_M.value, head_dim)
     dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
-    signature = dict(k_desc=kv, v_desc=kv, q_desc=_descriptor_type(hb.BLOCK_M.value, head_dim),
-                     do_desc=_descriptor_type(hb.BLOCK_M.value, head_dim), lse_desc=rows, delta_desc=rows, DK=dkdv,
+    signature = dict(k_desc=kv, v_desc=kv, Q=queries, DO=queries, LSE="*fp32" if gathered else rows,
+                     DELTA="*fp32" if gathered else rows, DK=dkdv,
                      DV=dkdv, **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
                                                "stride_dvt"], "i32"),
-                     **dq, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk",
+                     DQ_ACC=dq, **gathered_signature, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk",
                                             "diag"], "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
     return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
-                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **dq_constants, **doc_constants),
+                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **gathered_constants, **doc_constants),
                     hb.LAUNCH_REGS)
 
 

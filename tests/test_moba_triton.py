@@ -10,7 +10,7 @@ from attention import attention, triton_moba_op, unpack_qkv
 from attention.moba import block_means, moba_attention, moba_mask, moba_select
 from attention.naive import naive_attention
 from attention.triton_moba import entry_lists, merge_slots, moba_gate, work_items
-from attention.triton_moba_hopper import ROW_TILE, entry_layout, gather_entries
+from attention.triton_moba_hopper import ROW_TILE, entry_layout
 from attention.triton_moba_op import moba_triton
 
 
@@ -125,22 +125,6 @@ def test_hopper_layout_spans_are_moba(B, Hq, Hkv, T, block_size, topk):
     dq = torch.zeros(B * Hq * T, D, dtype=torch.float64).index_add_(0, src[real], (ds @ k_rows)[real])
     for grad, expected in zip((dq * D ** -0.5, ds.T @ q_rows * D ** -0.5, p.T @ do_rows), grads):
         torch.testing.assert_close(grad.view(expected.shape), expected)
-
-
-def test_gathered_rows_are_the_queries_and_padding_is_finite():
-    q, do, o = qkv(1, 2, 2, 50, 50, 16, seed=0)
-    lse, delta = torch.randn(1, 2, 50), (o * do).sum(-1)
-    src = torch.full((128,), -1, dtype=torch.int32)
-    src[:100] = torch.randperm(100).int()
-    (q_rows,) = gather_entries(q, src)
-    do_rows, lse_rows, delta_rows = gather_entries(do.transpose(1, 2).contiguous().transpose(1, 2), src, lse, o)
-    real = src >= 0
-    rows = src[real].long()
-    assert torch.equal(q_rows[0, 0, real], q.reshape(100, 16)[rows]) and (q_rows[0, 0, ~real] == 0).all()
-    assert torch.equal(do_rows[0, 0, real], do.reshape(100, 16)[rows]) and (do_rows[0, 0, ~real] == 0).all()
-    assert torch.equal(lse_rows[0, 0, real], lse.flatten()[rows]) and (lse_rows[0, 0, ~real] == float("inf")).all()
-    torch.testing.assert_close(delta_rows[0, 0, real], delta.flatten()[rows])
-    assert (delta_rows[0, 0, ~real] == 0).all()
 
 
 @pytest.mark.gpu

@@ -79,20 +79,22 @@ def test_pre_and_post_pass():
     lse_row, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
     grid = (Tq_pad // rows, B * H)
-    triton_hopper_backward.attn_bwd_prepare[grid](o, do, lse, None, lse_row, delta, dq_acc, *o.stride()[:3],
+    triton_hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
                                                    *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse_row[:, :Tq], lse.reshape(B * H, Tq) * lse_unit)
     assert (delta[:, Tq:] == 0).all() and (lse_row[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
 
-    # a caller that has Delta already (MoBA's gathered rows, §11) passes it, and O is not read; its dQ buffer is
-    # its own (no DQ_ACC to zero)
-    known = torch.randn(B * H, Tq)
-    delta.fill_(float("nan"))
-    triton_hopper_backward.attn_bwd_prepare[grid](None, None, lse, known, lse_row, delta, None, 0, 0, 0, 0, 0, 0,
-                                                   H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
-    assert torch.equal(delta[:, :Tq], known) and (delta[:, Tq:] == 0).all()
+    # unpadded (Tq_pad == Tq: a gathered problem's rows, MoBA's, §11, are copied from these, not loaded by tiles): a
+    # head's rows end at Tq, and the next head's are not written over
+    lse_row, delta = (torch.full((B * H * Tq + 1,), float("nan")) for _ in range(2))
+    triton_hopper_backward.attn_bwd_prepare[(-(-Tq // rows), B * H)](
+        o, do, lse, lse_row, delta, None, *o.stride()[:3], *do.stride()[:3], H, Tq, Tq, lse_unit, HEAD_DIM=D,
+        ROWS=rows)
+    torch.testing.assert_close(delta[:-1], expected.flatten(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lse_row[:-1], lse.flatten() * lse_unit)
+    assert delta[-1].isnan() and lse_row[-1].isnan()
 
     dq_acc = torch.randn(B * H, Tq_pad, D)
     dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
