@@ -6,7 +6,8 @@ multiplies and runs the softmax in turn. Here a program takes work items, 128 or
 head) each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
 
   _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into rings of shared-memory slots,
-                      each slot refilled as soon as every consumer is done with it;
+                      each slot refilled as soon as every consumer is done with it (for a gathered problem, §11
+                      "Rows read where they are", a warpgroup that copies Q's rows itself: gather_rows);
   _softmax_rows       two or three consumer warpgroups of 64 rows each: the online softmax over the key tiles,
                       S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
                       warpgroup's softmax runs while the tensor cores multiply (§12 says whose products); then
@@ -84,9 +85,10 @@ SHARED_BYTES = tl.constexpr(227 * 1024 - 2048)
 
 
 if gluon is not None:
-    # Triton 3.9 renamed the TMA load and store; these names serve 3.6 and 3.9 alike
+    # Triton 3.9 renamed the TMA load and store, and cp.async's load; these names serve 3.6 and 3.9 alike
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    copy_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     # gather_rows' copies: four threads per row, each 16 bytes of every 64 (sectors read whole), warps along the rows
     GATHER_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [GATHER_WARPS, 1], [1, 0]))
 
@@ -238,10 +240,10 @@ if gluon is not None:
         src = gl.maximum(src, 0)
         bh, t = src // T, (src % T).to(gl.int64)
         b, h = (bh // H).to(gl.int64), bh % H
-        async_copy.async_copy_global_to_shared(
+        copy_load(
             smem, X + (b * stride_xb + h * stride_xh + t * stride_xt)[:, None] + cols, mask=real)
         if X_2 is not None:
-            async_copy.async_copy_global_to_shared(
+            copy_load(
                 smem_2, X_2 + (b * stride_2b + h * stride_2h + t * stride_2t)[:, None] + cols, mask=real)
 
     @gluon.jit

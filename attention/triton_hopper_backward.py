@@ -9,7 +9,8 @@ buffer by the copy engine, so five matmuls remain; a pre-pass (Delta, and the bu
 buffer scaled and rounded into dq) run around it.
 
   _load_query_tiles   a producer warp: the program's K and V once, then each query tile's Q, dO, lse and Delta by
-                      TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it;
+                      TMA into a ring of STAGES slots, each slot refilled as soon as both consumers are done with it
+                      (a warpgroup copying the rows of a gathered problem, §11);
   _key_gradients      two consumer warpgroups, each owning 64 of the 128 keys: per query tile S^T = K Q^T and
                       dP^T = V dO^T, then P^T and dS^T in registers, dV += P^T dO and dK += dS^T Q; both write their
                       dS^T into shared memory, and dQ = dS K over all 128 keys follows: at hs=64 the warpgroups take
@@ -246,8 +247,8 @@ if gluon is not None:
         for both: its Q and dO rows are zeros, so its dS, and all it adds, are zero."""
         real = src >= 0
         src = gl.maximum(src, 0)
-        async_copy.async_copy_global_to_shared(lse_smem, LSE + src, mask=real)
-        async_copy.async_copy_global_to_shared(delta_smem, DELTA + src, mask=real)
+        triton_hopper.copy_load(lse_smem, LSE + src, mask=real)
+        triton_hopper.copy_load(delta_smem, DELTA + src, mask=real)
 
     @gluon.jit
     def _dq_cols(u, ds_smem, k_cols, ds_ready):

@@ -1,7 +1,7 @@
 """Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
 (attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
-tile: registers, spills, wgmma (HGMMA), barrier and 16-byte atomic add instructions in the SASS, the copy engine's
-reductions and stores in the PTX, shared memory.
+tile: registers, spills, wgmma (HGMMA), barrier, 16-byte atomic add and 16-byte row copy (cp.async) instructions in
+the SASS, the copy engine's reductions and stores in the PTX, shared memory.
 For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
 change in a new Triton, or a change that makes a kernel spill, fails there.
 
@@ -127,7 +127,7 @@ def report(kernel) -> tuple[dict, str]:
     return dict(registers=number("REG"), stack_bytes=number("STACK"), local_bytes=number("LOCAL"),
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
                 bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
-                vector_atomic_adds=sass.count("REDG.E.ADD.F32x4"),
+                vector_atomic_adds=sass.count("REDG.E.ADD.F32x4"), row_copies=sass.count("LDGSTS.E.BYPASS.128"),
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass

@@ -86,6 +86,8 @@ def test_document_kernels_build_for_hopper(backward, mode):
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert builds and all(built["documents"] == mode[2:] and built["setmaxnreg"] and built["hgmma"] > 0
                           for built in builds)
+    # MoBA's rows are read from their queries' rows by the producers' 16-byte copies; documents load tiles by TMA
+    assert all((built["row_copies"] > 0) == (mode == "--spans") for built in builds), builds
     if backward:  # dQ: documents add it by the copy engine, MoBA's rows into their queries by 16-byte atomics
         spans = mode == "--spans"
         assert all((built["bulk_reductions"] == 0) == spans and (built["vector_atomic_adds"] > 0) == spans
