@@ -179,7 +179,7 @@ if gluon is not None:
         DOCUMENTS: gl.constexpr = SPANS is not None  # §14 (None survives the hand-over as a constant; False does not)
         loaded = 0  # key tiles loaded so far, over all items: tile number t goes to slot t % (its ring's slots)
         n_items = _items(n_work, per_turn)
-        if ROW_SRC is not None:  # a gathered problem (§11): the first item's source rows, each later one's an item ahead
+        if ROW_SRC is not None:  # a gathered problem (§11): the first item's source rows, later ones' an item ahead
             src_0, src_1 = _item_sources(ROW_SRC, 0, n_items, per_turn, n_m_tiles, Tq, BLOCK_M)
         for item in range(n_items):
             bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
@@ -222,7 +222,7 @@ if gluon is not None:
     @gluon.jit
     def row_sources(ROW_SRC, first, n_rows, R: gl.constexpr):
         """The source rows of a gathered problem's rows first ... first + R - 1 (-1 for none, and past n_rows), in
-        gather_rows' layout. The producer loads them a tile ahead of their copies, so it never waits for them."""
+        gather_rows' layout."""
         rows = first + gl.arange(0, R, layout=gl.SliceLayout(1, GATHER_LAYOUT))  # (R,)
         return gl.load(ROW_SRC + rows, mask=rows < n_rows, other=-1)
 
@@ -240,11 +240,9 @@ if gluon is not None:
         src = gl.maximum(src, 0)
         bh, t = src // T, (src % T).to(gl.int64)
         b, h = (bh // H).to(gl.int64), bh % H
-        copy_load(
-            smem, X + (b * stride_xb + h * stride_xh + t * stride_xt)[:, None] + cols, mask=real)
+        copy_load(smem, X + (b * stride_xb + h * stride_xh + t * stride_xt)[:, None] + cols, mask=real)
         if X_2 is not None:
-            copy_load(
-                smem_2, X_2 + (b * stride_2b + h * stride_2h + t * stride_2t)[:, None] + cols, mask=real)
+            copy_load(smem_2, X_2 + (b * stride_2b + h * stride_2h + t * stride_2t)[:, None] + cols, mask=real)
 
     @gluon.jit
     def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
@@ -409,7 +407,7 @@ if gluon is not None:
             n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
             buffer = item % Q_BUFFERS
             mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
-            if ROW_SRC is not None:  # gathered rows: the warp's copies, visible to the wgmma that reads them
+            if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmma that reads them
                 fence_async_shared()
             if Q_IN_REGISTERS:
                 q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
@@ -672,7 +670,8 @@ def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
 
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, bool, int],
-            documents: tuple[torch.Tensor, torch.Tensor] | None = None, row_src: torch.Tensor | None = None) -> Launched:
+            documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+            row_src: torch.Tensor | None = None) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; triton_dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: (BLOCK_N, K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) from TILES. documents: (spans, ids) where attention
@@ -698,12 +697,12 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: tuple[int, int, b
     # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
     per_turn = 2 if persistent else 1
     programs = min(triton.cdiv(n_work, per_turn), sm_count(q.device)) if persistent else n_work
-    descriptors = (descriptor(q, ROWS.value), descriptor(k, block_n), descriptor(v, block_n),
+    # Q: a descriptor of q, or for a gathered problem q itself, whose rows the producer copies
+    descriptors = (descriptor(q, ROWS.value) if row_src is None else q, descriptor(k, block_n), descriptor(v, block_n),
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
-    queries = descriptors[0] if row_src is None else q
-    first = launch(attn_fwd_ws, (programs,), (queries, *descriptors[1:], o, lse, *sizes, scale, n_work, per_turn,
+    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn,
                                               *document_args(documents), *gathered),
                    BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)

@@ -196,7 +196,8 @@ if gluon is not None:
                           H_src, T_src):
         """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
         them, for each query head of the kv head's group (§7), into the ring: by TMA from descriptors, or for a
-        gathered problem (ROW_SRC, §11) by the warp's own copies from their source rows (triton_hopper.gather_rows)."""
+        gathered problem (ROW_SRC, §11) by the producer's own copies from their source rows
+        (triton_hopper.gather_rows)."""
         STAGES: gl.constexpr = q_smem.shape[0]
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)

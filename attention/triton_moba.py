@@ -297,14 +297,12 @@ def _moba_merge(PART, LSE_PART, POS, OUT, LSE, stride_part, stride_ob, stride_oh
     acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for s in tl.static_range(S):
         row = tl.load(POS + slots + s, mask=t < T, other=-1)
-        weight = tl.where(row >= 0, 1.0, 0.0)
-        if WEIGHTED:
-            weight = tl.exp(tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")) - lse)
         part = tl.load(PART + row.to(tl.int64)[:, None] * stride_part + cols[None, :], mask=(row >= 0)[:, None],
-                       other=0.0)
-        acc += weight[:, None] * part.to(tl.float32)
-    store_rows(head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od,
-                             HEAD_DIM)
+                       other=0.0).to(tl.float32)  # an empty slot's row: zeros
+        if WEIGHTED:
+            part *= tl.exp(tl.load(LSE_PART + row, mask=row >= 0, other=float("-inf")) - lse)[:, None]
+        acc += part
+    store_rows(head_base(OUT, b, h, stride_ob, stride_oh), acc, t, T, stride_ot, cols, stride_od, HEAD_DIM)
 
 
 @triton.jit

@@ -101,16 +101,17 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
         documents, ["stride_qb", "stride_qh", "stride_qt", "stride_dob", "stride_doh", "stride_dot", "H_src", "T_src"])
     queries = "*bf16" if gathered else _descriptor_type(hb.BLOCK_M.value, head_dim)
     dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
-    signature = dict(k_desc=kv, v_desc=kv, Q=queries, DO=queries, LSE="*fp32" if gathered else rows,
-                     DELTA="*fp32" if gathered else rows, DK=dkdv,
-                     DV=dkdv, **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
-                                               "stride_dvt"], "i32"),
-                     DQ_ACC=dq, **gathered_signature, **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk",
-                                            "diag"], "i32"), scale="fp32")
+    row_values = "*fp32" if gathered else rows
+    signature = dict(k_desc=kv, v_desc=kv, Q=queries, DO=queries, LSE=row_values, DELTA=row_values, DK=dkdv, DV=dkdv,
+                     **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
+                                      "stride_dvt"], "i32"),
+                     DQ_ACC=dq, **gathered_signature,
+                     **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk", "diag"],
+                                     "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
     return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
-                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **gathered_constants, **doc_constants),
-                    hb.LAUNCH_REGS)
+                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **gathered_constants,
+                         **doc_constants), hb.LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
