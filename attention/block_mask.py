@@ -33,14 +33,14 @@ EVAL_CHUNK = 1 << 26
 
 
 def _default_block_size() -> int:
-    # The kernel's tiles must divide the block (attention/triton_flash.py walks a block in tiles).
+    # The kernel's tiles must divide the block (attention/flash/tl_forward.py walks a block in tiles).
     # On the GPU 64, not FlexAttention's 128: the tiles that suit a sparse call's short rows are 64 wide,
     # and a 64-wide tile of a PARTIAL 128 block can hold no visible pair (half of a block on the diagonal
     # or at a window's or document's edge) yet is loaded and computed; 64 blocks list only tiles that see
     # something, and make FULL (unmasked) tiles of the rest (docs/flash_attention.md §10; its effect:
     # docs/perf_notes.md). The CPU interpreter's tiles are 16..32 rows, and its tests use short sequences,
     # so a smaller block there still exercises skipping, full and partial blocks.
-    from .triton_support import INTERPRET
+    from .flash.device import INTERPRET
 
     return 32 if INTERPRET else 64
 
@@ -131,9 +131,9 @@ class BlockMask:
     @classmethod
     def _from_document_lists(cls, Tq: int, Tk: int, causal: bool, window, document_ids: torch.Tensor,
                              block_size: int) -> BlockMask:
-        """from_rules with documents, and its block lists, in three launches (triton_block_lists.py): the rules'
+        """from_rules with documents, and its block lists, in three launches (flash/block_lists.py): the rules'
         states (no documents) are the same for every batch, kept by from_rules."""
-        from .triton_block_lists import document_block_lists
+        from .flash.block_lists import document_block_lists
 
         rules = cls.from_rules(Tq, Tk, causal=causal, window=window, block_size=block_size, device=document_ids.device)
         state, kv_blocks, q_blocks = document_block_lists(rules.state[0, 0], document_ids, Tq, Tk, block_size)
@@ -243,12 +243,12 @@ class BlockMask:
                 and self.Tq == self.Tk)
 
     def document_spans(self) -> torch.Tensor:
-        """(B, 2, T) int32: each position's document, [first, end) (triton_block_lists.spans_of_runs; -1 and T
+        """(B, 2, T) int32: each position's document, [first, end) (flash/block_lists.py:spans_of_runs; -1 and T
         throughout a batch row whose ids ever decrease). Built once, for only_documents() masks."""
         if "spans" not in self._lists:
             ids = self.document_ids
             if lists_by_kernel(ids.device):
-                from .triton_block_lists import document_spans
+                from .flash.block_lists import document_spans
 
                 self._lists["spans"] = document_spans(ids)
             else:  # inside torch.compile: Inductor fuses these
@@ -282,9 +282,9 @@ _rule_masks: dict[tuple, BlockMask] = {}
 
 
 def lists_by_kernel(device) -> bool:
-    """Whether a document mask's lists come from triton_block_lists.py: on the GPU, and under the CPU interpreter
+    """Whether a document mask's lists come from flash/block_lists.py: on the GPU, and under the CPU interpreter
     (its tests); not inside torch.compile, which fuses the torch build into the graph instead."""
-    from .triton_support import INTERPRET
+    from .flash.device import INTERPRET
 
     return (torch.device(device).type == "cuda" or INTERPRET) and not torch.compiler.is_compiling()
 
@@ -329,7 +329,7 @@ def _document_state(document_ids: torch.Tensor, Tq: int, Tk: int, block_size: in
 
 
 def _spans_of_runs(ids: torch.Tensor) -> torch.Tensor:
-    """triton_block_lists.spans_of_runs in torch operations: (B, T) ids -> (B, 2, T) int32 spans."""
+    """flash/block_lists.py:spans_of_runs in torch operations: (B, T) ids -> (B, 2, T) int32 spans."""
     T = ids.shape[1]
     pos = torch.arange(T, device=ids.device, dtype=torch.int32)
     changes = ids[:, 1:] != ids[:, :-1]  # (B, T - 1): position t + 1 starts a run

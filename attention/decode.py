@@ -31,7 +31,7 @@ def decode_attention(
     shared by all rows, on q's device: the valid cached positions, the new token's own key included
     (so 1..max_len; larger values count as max_len, and a row with 0 gets output 0 from naive and
     triton, as attention() defines a query that sees no key). Read on the device only.
-    backend: "triton" runs the split-K kernel of triton_decode.py, which never loads the keys past
+    backend: "triton" runs the split-K kernel of flash/decode.py, which never loads the keys past
     cache_len; "naive" the explicit reference; every other backend (sdpa, compile, registered ones)
     F.scaled_dot_product_attention. These two read the whole buffer under a key mask and weight
     the masked values by exactly 0, so the buffer past cache_len must hold finite numbers (zeros,
@@ -46,8 +46,8 @@ def decode_attention(
         scale = q.shape[-1] ** -0.5
     if backend == "triton":
         # imported on first use, as in registry.py: Triton reads TRITON_INTERPRET at import time
-        from .triton_decode import decode
-        from .triton_support import check_triton_support
+        from .flash.decode import decode
+        from .flash.device import check_triton_support
 
         check_triton_support(q)
         return decode(q, k_cache, v_cache, cache_len, float(scale))

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_mask import BlockMask, kept_per_tensor
-from .compiled import compiled_attention
+from .reference.compiled import compiled_attention
 from .inputs import check_qkv, check_qkv_packed, unpack_qkv
 from .masks import check_document_ids, check_window
-from .moba import check_moba_options, moba_backend, moba_keys_per_query
-from .naive import naive_attention
-from .sdpa import sdpa_attention
+from .moba.reference import check_moba_options, moba_backend, moba_keys_per_query
+from .reference.naive import naive_attention
+from .reference.sdpa import sdpa_attention
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,20 @@ class Backend:
 def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None):
     # Imported on first use: Triton decides at import time whether its kernels run compiled on the GPU or in the
     # CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
-    from .triton_op import triton_attention
+    from .flash.autograd import triton_attention
 
     return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv)
 
 
 def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window):
-    from .triton_op import triton_varlen_attention  # on first use, as _triton_attention's import
+    from .flash.autograd import triton_varlen_attention  # on first use, as _triton_attention's import
 
     return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                    window)
 
 
 def _flex_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
-    from .flex import flex_attention_backend  # on first use, as _triton_attention's import
+    from .reference.flex import flex_attention_backend  # on first use, as _triton_attention's import
 
     return flex_attention_backend(q, k, v, causal, scale, mask=mask)
 
@@ -63,7 +63,7 @@ def _check_flex_device(device: torch.device) -> None:
 
 
 def _check_triton_device(device: torch.device) -> None:
-    from .triton_support import check_triton_device  # on first use, as _triton_attention's import
+    from .flash.device import check_triton_device  # on first use, as _triton_attention's import
 
     check_triton_device(device)
 

@@ -33,7 +33,8 @@ if not torch.cuda.is_available():
 import triton.testing
 from tqdm import tqdm
 
-from attention import attention, triton_tuner
+from attention import attention
+from attention.flash import tuner
 from benchmarks.attention_report import write_report
 from benchmarks.report import default_out_dir, environment, parse_bool, rotations, write_json
 
@@ -357,9 +358,9 @@ def run(args) -> Path:
             cells = measured.get(name) or {p: empty_cell(skips[name]) for p in todo[name]}
             # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
             ran_ours = name == "triton" and name in measured
-            tuner = {kernel: str(choice) for kernel, choice in triton_tuner.tuned_choices(
+            chosen = {kernel: str(choice) for kernel, choice in tuner.tuned_choices(
                 shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if ran_ours else {}
-            rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": tuner} if tuner else {})}
+            rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": chosen} if chosen else {})}
                      for p, cell in cells.items()]
             bar.update()
         write_json(results_path, results)  # after every shape: a run cut off keeps what it measured

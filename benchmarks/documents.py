@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported, as in attention.py
 
 from attention import BlockMask, attention, attention_varlen
-from attention.triton_op import kernel_mask_args
+from attention.flash.autograd import kernel_mask_args
 from benchmarks.attention import DTYPES, comma_list, median_ms, warm_up_gpu
 from benchmarks.sparse import visible_pairs
 from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, write_json
@@ -79,7 +79,7 @@ def implementations(ids: torch.Tensor, B: int, T: int, device, flex: bool) -> tu
         return kernel_mask_args(BlockMask.from_rules(T, T, causal=True, document_ids=ids))
     builds = {"ours": our_build}
     if flex:  # the registry's flex backend converts the BlockMask into Flex's once; the build is that conversion
-        from attention.flex import flex_block_mask
+        from attention.reference.flex import flex_block_mask
 
         fns["flex"] = lambda q, k, v: attention(q, k, v, backend="flex", block_mask=mask)
         builds["flex"] = lambda: flex_block_mask(mask)

@@ -1,5 +1,5 @@
-"""Build the warp-specialized Hopper forward (attention/triton_hopper.py, §12) or backward
-(attention/triton_hopper_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
+"""Build the warp-specialized Hopper forward (attention/flash/hopper/gluon_forward.py, §12) or backward
+(attention/flash/hopper/gluon_backward.py, §13) for sm_90 without a GPU, and print what the compiler made of each
 tile: registers, spills, wgmma (HGMMA), barrier, 16-byte atomic add and 16-byte row copy (cp.async) instructions in
 the SASS, the copy engine's reductions and stores in the PTX, shared memory.
 For kernel work on a machine without a Hopper GPU; tests/test_triton_hopper*.py run it in CI, so a Gluon API
@@ -25,7 +25,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from attention import triton_hopper, triton_hopper_backward
+from attention.flash import device
+from attention.flash.hopper import backward as hopper_backward
+from attention.flash.hopper import shapes
+
+if device.HAS_GLUON:
+    from attention.flash.hopper import gluon_backward, gluon_common, gluon_forward
 
 
 def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
@@ -44,8 +49,8 @@ def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
 
 
 def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> str:
-    """The type of triton_hopper.descriptor(t, rows, swizzle) for a bf16 t: the layout the launches build."""
-    layout = triton_hopper.shared_layout((1, 1, rows, head_dim), torch.bfloat16, swizzle)
+    """The type of gluon_common.descriptor(t, rows, swizzle) for a bf16 t: the layout the launches build."""
+    layout = gluon_common.shared_layout((1, 1, rows, head_dim), torch.bfloat16, swizzle)
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
@@ -71,36 +76,35 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
     """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode
     ("documents") or spans alone ("spans", §11), or None."""
     block_n, k_stages, v_stages, consumers = tile
-    launch_regs, consumer_regs = triton_hopper.REGS[consumers]
+    launch_regs, consumer_regs = shapes.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
     gathered_signature, gathered_constants = _gathered_args(
         documents, ["stride_qb", "stride_qh", "stride_qt", "H_src", "T_src"])
-    queries = "*bf16" if documents == "spans" else _descriptor_type(triton_hopper.ROWS.value, head_dim)
+    queries = "*bf16" if documents == "spans" else _descriptor_type(shapes.ROWS.value, head_dim)
     signature = dict(Q=queries, k_desc=_descriptor_type(block_n, head_dim), v_desc=_descriptor_type(block_n, head_dim),
-                     o_desc=_descriptor_type(triton_hopper.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
+                     o_desc=_descriptor_type(shapes.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
                      diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature, **gathered_signature)
-    return _compile(triton_hopper.attn_fwd_ws, signature,
+    return _compile(gluon_forward.attn_fwd_ws, signature,
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                          CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants), launch_regs)
 
 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None):
-    """The backward's main kernel for bf16 inputs, with the descriptor layouts triton_hopper_backward.backward
+    """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward
     passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it. With spans alone (MoBA's, §11) the problem is a
-    gathered one, as triton_moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there."""
-    hb = triton_hopper_backward
+    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there."""
     stages, staged = tile
-    kv = _descriptor_type(hb.BLOCK_N.value, head_dim, swizzle=head_dim)
-    rows = f"tensordesc<fp32[{hb.BLOCK_M.value}],{hb.ROW_LAYOUT.value}>"
-    dq_block = (hb.BLOCK_M.value, hb.dq_cols(head_dim))
+    kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
+    rows = f"tensordesc<fp32[{shapes.QUERY_BLOCK.value}],{gluon_backward.ROW_LAYOUT.value}>"
+    dq_block = (shapes.QUERY_BLOCK.value, gluon_backward.dq_cols(head_dim))
     gathered = documents == "spans"
     dq = "*fp32" if gathered else \
-        f"tensordesc<fp32{list(dq_block)},{triton_hopper.shared_layout(dq_block, torch.float32)}>"
+        f"tensordesc<fp32{list(dq_block)},{gluon_common.shared_layout(dq_block, torch.float32)}>"
     gathered_signature, gathered_constants = _gathered_args(
         documents, ["stride_qb", "stride_qh", "stride_qt", "stride_dob", "stride_doh", "stride_dot", "H_src", "T_src"])
-    queries = "*bf16" if gathered else _descriptor_type(hb.BLOCK_M.value, head_dim)
-    dkdv = _descriptor_type(hb.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
+    queries = "*bf16" if gathered else _descriptor_type(shapes.QUERY_BLOCK.value, head_dim)
+    dkdv = _descriptor_type(shapes.KEYS.value, head_dim, swizzle=head_dim) if staged else "*bf16"
     row_values = "*fp32" if gathered else rows
     signature = dict(k_desc=kv, v_desc=kv, Q=queries, DO=queries, LSE=row_values, DELTA=row_values, DK=dkdv, DV=dkdv,
                      **dict.fromkeys(["stride_dkb", "stride_dkh", "stride_dkt", "stride_dvb", "stride_dvh",
@@ -109,9 +113,9 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
                      **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk", "diag"],
                                      "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
-    return _compile(hb.attn_bwd_ws, {**signature, **doc_signature},
-                    dict(STAGES=stages, ROWS_FIRST=hb.row_values_first(head_dim), **gathered_constants,
-                         **doc_constants), hb.LAUNCH_REGS)
+    return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature},
+                    dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim), **gathered_constants,
+                         **doc_constants), shapes.BACKWARD_LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -135,7 +139,7 @@ def report(kernel) -> tuple[dict, str]:
 
 
 def forward_build(tile: tuple[int, int, int, bool, int]) -> tuple[int, int, int, int]:
-    """A forward tile of triton_hopper.TILES -> what its build depends on, (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS)."""
+    """A forward tile of shapes.FORWARD_TILES -> what its build depends on, (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS)."""
     block_n, k_stages, v_stages, _, consumers = tile
     return block_n, k_stages, v_stages, consumers
 
@@ -152,14 +156,14 @@ def main(argv=None):
                    help="spans without ids, as MoBA runs the kernels (§11)")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1" or triton_hopper.gluon is None:
+    if os.environ.get("TRITON_INTERPRET") == "1" or not device.HAS_GLUON:
         raise SystemExit("needs Triton >= 3.6 with Gluon, compiled: unset TRITON_INTERPRET")
-    table = triton_hopper_backward.TILES if args.backward else triton_hopper.TILES
+    table = shapes.BACKWARD_TILES if args.backward else shapes.FORWARD_TILES
     for head_dim in [args.head_dim] if args.head_dim else sorted(table):
         if args.backward:
             tiles = [tuple(int(x) for x in args.tile.split(","))] if args.tile else table[head_dim]
         else:  # one build per forward_build(tile): the grid (persistent or not) is the launch's choice
-            listed = triton_hopper.document_tiles(head_dim) if args.documents else table[head_dim]
+            listed = shapes.document_tiles(head_dim) if args.documents else table[head_dim]
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in listed}))
         for tile in tiles:

@@ -23,8 +23,9 @@ import torch
 import triton
 
 from attention import attention, attention_qkvpacked
-from attention import triton_dispatch, triton_tuner
-from attention.triton_op import FlashAttentionFunction, flash_attn_fwd
+from attention.flash import dispatch
+from attention.flash import tuner
+from attention.flash.autograd import FlashAttentionFunction, flash_attn_fwd
 
 
 def host_us(fn, calls=200) -> float:
@@ -120,7 +121,7 @@ def main():
     q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
     q, k, v = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))  # (B, nh, T, hs) views, as in the model
     scale = hs ** -0.5
-    o, lse = triton_dispatch.forward(q.detach(), k.detach(), v.detach(), True, scale)
+    o, lse = dispatch.forward(q.detach(), k.detach(), v.detach(), True, scale)
     do = torch.randn_like(o)
     if args.timeline:
         print(f"B={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}: median host us per span")
@@ -134,14 +135,14 @@ def main():
 
     with torch.no_grad():
         cases = {
-            "triton_dispatch.forward (launch only)": lambda: triton_dispatch.forward(q, k, v, True, scale),
+            "dispatch.forward (launch only)": lambda: dispatch.forward(q, k, v, True, scale),
             "operator nanoflash::flash_attn_fwd": lambda: flash_attn_fwd(q, k, v, True, scale),
             "attention(backend=triton), no grad": lambda: attention(q, k, v, backend="triton"),
             "attention(backend=sdpa), no grad": lambda: attention(q, k, v, backend="sdpa"),
         }
         rows = [(name, host_us(fn), triton.testing.do_bench(fn, return_mode="median") * 1e3) for name, fn in cases.items()]
-    rows.append(("triton_dispatch.backward (launch only)", host_us(lambda: triton_dispatch.backward(do, q, k, v, o, lse, True, scale)),
-                 triton.testing.do_bench(lambda: triton_dispatch.backward(do, q, k, v, o, lse, True, scale), return_mode="median") * 1e3))
+    rows.append(("dispatch.backward (launch only)", host_us(lambda: dispatch.backward(do, q, k, v, o, lse, True, scale)),
+                 triton.testing.do_bench(lambda: dispatch.backward(do, q, k, v, o, lse, True, scale), return_mode="median") * 1e3))
     for backend in ("triton", "sdpa"):
         fn = fwd_bwd(backend)
         rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
@@ -185,7 +186,7 @@ def main():
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
-    print("tuner's choices:", triton_tuner.best_tile, triton_tuner.best_backward)
+    print("tuner's choices:", tuner.best_tile, tuner.best_backward)
     print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
     print("| call | host us/call | do_bench us |\n|---|---|---|")
     for name, host, gpu in rows:

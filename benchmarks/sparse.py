@@ -35,8 +35,8 @@ if not torch.cuda.is_available():
 from tqdm import tqdm
 
 from attention import BlockMask, attention
-from attention.flex import compiled_flex, flex_mask_mod as rules_mask_mod
-from attention.moba import moba_attention
+from attention.reference.flex import compiled_flex, flex_mask_mod as rules_mask_mod
+from attention.moba.reference import moba_attention
 from benchmarks.attention import (
     DTYPES,
     PASS_FLOP_FACTOR,
@@ -118,7 +118,7 @@ def ours(family: str, args, document_ids):
 
 
 def flex_mask_mod(family: str, args, document_ids):
-    """The family's mask as a FlexAttention mask_mod, the flex backend's (attention/flex.py). It is elementwise, so
+    """The family's mask as a FlexAttention mask_mod, the flex backend's (attention/reference/flex.py). It is elementwise, so
     it is a masks.py mask_fn too: the tests check it against dense_mask."""
     rules = {"window": {"window": (args.window, 0)}, "documents": {"document_ids": document_ids}}[family]
     return rules_mask_mod(causal=True, **rules)

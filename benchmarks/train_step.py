@@ -25,7 +25,7 @@ if __name__ == "__main__" and not __package__:
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from attention import triton_tuner
+from attention.flash import tuner
 from benchmarks.report import environment, fmt, markdown_table, rotations, write_json
 from model import GPT
 from train import open_loader, pick_device, pick_dtype, set_tf32
@@ -125,7 +125,7 @@ def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | No
 
 
 def tuner_choices(log: list[dict]) -> list[dict]:
-    """triton_tuner.tuning_log as JSON: per tuned kernel and shape, its candidates (as text), fastest first. At
+    """tuner.tuning_log as JSON: per tuned kernel and shape, its candidates (as text), fastest first. At
     GPT-2's shape the `tl` and Hopper kernels can be within the tuner's noise of each other, so this says which ran."""
     return [dict(kernel=entry["kernel"], shape=str(entry.get("key", (entry.get("Tq"), entry.get("Tk")))),
                  times_ms=dict(sorted(((_label(choice), ms) for choice, ms in entry["times_ms"].items()),
@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
 
     world = World()
     steps, cfgs, built = {}, {}, {}
-    log_before, triton_tuner.tuning_log = triton_tuner.tuning_log, []  # what the tuner chose in the warm-up steps
+    log_before, tuner.tuning_log = tuner.tuning_log, []  # what the tuner chose in the warm-up steps
     for run in args.backends.split(","):
         name, _, flags = run.partition(":")
         flags = [f"--{flag}" for flag in flags.split("+") if flag] or [f"--attn={name}"]
@@ -187,8 +187,8 @@ def main(argv=None) -> dict:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
 
-    results["tuning"] = tuner_choices(triton_tuner.tuning_log)
-    triton_tuner.tuning_log = log_before
+    results["tuning"] = tuner_choices(tuner.tuning_log)
+    tuner.tuning_log = log_before
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(report(results))
     print(report(results))

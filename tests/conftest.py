@@ -29,8 +29,8 @@ def default_tiles(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def no_launch_plans():
-    """Each test starts without triton_dispatch's launch plans: a test that changes a setting the plans bind (a
+    """Each test starts without dispatch.py's launch plans: a test that changes a setting the plans bind (a
     monkeypatched tile list, say) must see its first call take the whole path."""
-    triton_dispatch = sys.modules.get("attention.triton_dispatch")
-    if triton_dispatch is not None:
-        triton_dispatch.forget_plans()
+    dispatch = sys.modules.get("attention.flash.dispatch")
+    if dispatch is not None:
+        dispatch.forget_plans()

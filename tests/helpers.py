@@ -151,7 +151,7 @@ def assert_matches_fp64(q, k, v, causal=True, scale=None, backend="triton", refe
     if backend == "triton" and not kwargs:
         # the kernels' own entry point, which attention() calls for this: with it a single causal query stays
         # causal (attention() drops the flag, which cannot hide a key from the last position)
-        from attention.triton_op import flash_attention
+        from attention.flash.autograd import flash_attention
 
         ours = lambda *t: flash_attention(*t, causal, scale)  # noqa: E731
     return assert_fn_matches_fp64(ours, reference or call("naive"), q, k, v)
@@ -196,7 +196,7 @@ def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False
     """torch.compile(fullgraph=True) of a model's attention path (fused qkv projection, head views or with packed
     the (B, T, 3, nh, hs) view model.py passes, the Triton kernel, heads merged back) gives eager's output and
     gradients. fullgraph=True fails on any graph break, e.g. an operator without a fake implementation."""
-    from attention.triton_op import flash_attention
+    from attention.flash.autograd import flash_attention
 
     C = nh * hs
 
@@ -228,13 +228,13 @@ def assert_compiled_matches_eager(B, T, nh, hs, dtype, device, tol, packed=False
 
 def whole_paths(monkeypatch) -> list[str]:
     """Records each call of the Triton kernels that took the whole path (and so built a launch plan) instead of
-    running a kept plan (attention/triton_dispatch.py): "_forward_plan", "_backward_plan"."""
-    from attention import triton_dispatch
+    running a kept plan (attention/flash/dispatch.py): "_forward_plan", "_backward_plan"."""
+    from attention.flash import dispatch
 
     taken = []
     for name in ("_forward_plan", "_backward_plan"):
-        whole_path = getattr(triton_dispatch, name)
-        monkeypatch.setattr(triton_dispatch, name, lambda *args, _path=whole_path, _name=name: taken.append(_name)
+        whole_path = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *args, _path=whole_path, _name=name: taken.append(_name)
                             or _path(*args))
     return taken
 

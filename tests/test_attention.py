@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import packed_document_ids, packed_qkv, projection_views, qkv, registered_backend
 
-from attention import (Attention, Backend, BlockMask, attention, attention_qkvpacked, available_backends,
-                       backend_options, causal_mask, get_backend, keys_per_query, register_backend, registry)
+from attention import Attention, Backend, BlockMask, attention, attention_qkvpacked, available_backends, backend_options, causal_mask, get_backend, keys_per_query, register_backend
+from attention import registry
 
 REFERENCE_BACKENDS = ["naive", "compile", "sdpa"]
 ALL_BACKENDS = ["naive", "compile", "sdpa", "triton", "flex", "moba"]

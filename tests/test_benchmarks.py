@@ -407,7 +407,7 @@ def test_compare_runs_named_variants_dense_window_and_moba(tmp_path):
 
 
 def test_launch_timeline_marks_the_triton_function_and_restores_it():
-    from attention.triton_op import FlashAttentionFunction
+    from attention.flash.autograd import FlashAttentionFunction
     from benchmarks import launch_overhead
 
     plain = FlashAttentionFunction.forward, FlashAttentionFunction.backward

@@ -3,8 +3,10 @@ import pytest
 import torch
 from helpers import projection_views, qkv
 
-from attention import decode_attention, triton_decode, triton_tuner
-from attention.triton_decode import split_plan
+from attention import decode_attention
+from attention.flash import decode as flash_decode
+from attention.flash.decode import split_plan
+from attention.flash import tiles
 
 BACKENDS = ["naive", "sdpa", "triton"]
 # (B, Hq, Hkv, max_len, D, cache_len). In the interpreter (16-key tiles, 4 stand-in SMs) the first
@@ -88,12 +90,12 @@ def test_split_plan_fills_the_gpu_without_empty_or_tiny_splits():
 
 
 def test_gpu_key_tiles_shrink_with_the_head_dim_to_fit_two_programs_per_sm(monkeypatch):
-    monkeypatch.setattr(triton_decode, "INTERPRET", False)  # the GPU choice, computed on the host
-    chosen = {(d, size): triton_decode._block_n(16, d, size) for d in (64, 128, 256) for size in (2, 4)}
+    monkeypatch.setattr(flash_decode, "INTERPRET", False)  # the GPU choice, computed on the host
+    chosen = {(d, size): flash_decode._block_n(16, d, size) for d in (64, 128, 256) for size in (2, 4)}
     assert chosen[64, 2] == 64 and chosen[256, 4] < chosen[128, 4] < chosen[128, 2] == 64  # GPT-2's: 64 keys
     for (d, size), block_n in chosen.items():
-        tile = (16, block_n, triton_decode.NUM_WARPS, triton_decode.NUM_STAGES)
-        assert 2 * triton_tuner.smem_bytes("fwd", tile, d, size) <= triton_tuner.SMEM_BUDGET
+        tile = (16, block_n, flash_decode.NUM_WARPS, flash_decode.NUM_STAGES)
+        assert 2 * tiles.smem_bytes("fwd", tile, d, size) <= tiles.SMEM_BUDGET
 
 
 def test_bad_inputs_raise_clear_errors():

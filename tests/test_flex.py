@@ -1,4 +1,4 @@
-"""The "flex" backend (attention/flex.py): PyTorch's FlexAttention with our masks, against float64 by the criterion of
+"""The "flex" backend (attention/reference/flex.py): PyTorch's FlexAttention with our masks, against float64 by the criterion of
 helpers.py. On CPU FlexAttention runs eagerly and has no backward, so the CPU tests check the forward (float32 and
 float64); the GPU tests run the compiled kernels, forward and gradients."""
 import gc
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import assert_errors_within, assert_matches_fp64, packed_document_ids, qkv
 
-import attention.flex as flex
+import attention.reference.flex as flex
 from attention import BlockMask, attention, get_backend
 from attention.masks import dense_mask, mask_fn_mask
 

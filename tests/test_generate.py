@@ -7,7 +7,7 @@ from helpers import random_tokens, registered_backend
 
 import model as model_module
 from attention import decode_attention
-from attention.naive import naive_attention
+from attention.reference.naive import naive_attention
 from benchmarks import generate as bench
 from model import GPT, DecodeStep, GPTConfig, KVCache
 

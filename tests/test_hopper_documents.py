@@ -11,11 +11,17 @@ import torch
 import torch.nn.functional as F
 from helpers import ROOT, assert_errors_within, assert_matches_fp64, out_and_grads, packed_document_ids, qkv
 
-from attention import BlockMask, attention, attention_varlen, triton_dispatch, triton_hopper, triton_hopper_backward
-from attention import block_mask, triton_op
-from attention.triton_block_lists import document_spans
+from attention import BlockMask, attention, attention_varlen
+from attention.flash import dispatch
+from attention import block_mask
+from attention.flash import autograd
+from attention.flash.block_lists import document_spans
+from attention.flash import device
+from attention.flash.hopper import backward as hopper_backward
+from attention.flash.hopper import forward as hopper_forward
+from attention.flash.hopper import shapes
 
-needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
+needs_gluon = pytest.mark.skipif(not device.HAS_GLUON, reason="this Triton has no Gluon (3.6 or newer)")
 
 
 def spans_by_loop(ids: torch.Tensor) -> torch.Tensor:
@@ -59,17 +65,17 @@ def test_sequence_spans_skip_empty_sequences():
 
 
 def test_spans_go_to_the_kernels_for_documents_alone_on_hopper(monkeypatch):
-    monkeypatch.setattr(triton_op, "is_hopper", lambda device: True)
+    monkeypatch.setattr(autograd, "is_hopper", lambda device: True)
     ids = packed_document_ids(2, 64, [[10, 54], [64]])
     for causal in (True, False):
         mask = BlockMask.from_rules(64, 64, causal=causal, document_ids=ids)
-        assert torch.equal(triton_op.kernel_mask_args(mask).spans, spans_by_loop(ids))
+        assert torch.equal(autograd.kernel_mask_args(mask).spans, spans_by_loop(ids))
     for mask in (BlockMask.from_rules(64, 64, causal=True, window=(8, 0), document_ids=ids),  # the `tl` kernels
                  BlockMask.from_rules(32, 64, causal=True, document_ids=ids),  # fewer queries than keys
                  BlockMask.from_rules(64, 64, causal=True)):  # no documents
-        assert triton_op.kernel_mask_args(mask).spans is None
-    monkeypatch.setattr(triton_op, "is_hopper", lambda device: False)
-    assert triton_op.kernel_mask_args(BlockMask.from_rules(64, 64, causal=True, document_ids=ids)).spans is None
+        assert autograd.kernel_mask_args(mask).spans is None
+    monkeypatch.setattr(autograd, "is_hopper", lambda device: False)
+    assert autograd.kernel_mask_args(BlockMask.from_rules(64, 64, causal=True, document_ids=ids)).spans is None
 
 
 @needs_gluon
@@ -129,9 +135,9 @@ def case_ids(documents: str, B: int, T: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype, D, causal, B, Hq, Hkv, T, documents", CASES)
 def test_document_ids_on_hopper_kernels_match_fp64(monkeypatch, dtype, D, causal, B, Hq, Hkv, T, documents):
     # NANOFLASH_HOPPER=1: both Hopper kernels take the documents themselves, through the autograd op
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     taken = []
-    monkeypatch.setattr(triton_hopper, "forward", spy(triton_hopper.forward, taken))
+    monkeypatch.setattr(hopper_forward, "forward", spy(hopper_forward.forward, taken))
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, T, T, D, dtype, device="cuda")
     assert_matches_fp64(q, k, v, causal=causal, document_ids=case_ids(documents, B, T).cuda())
@@ -139,7 +145,7 @@ def test_document_ids_on_hopper_kernels_match_fp64(monkeypatch, dtype, D, causal
 
 
 def spy(forward, taken: list):
-    """triton_hopper.forward that records each call's documents."""
+    """hopper_forward.forward that records each call's documents."""
     def recorded(*args):
         taken.append(args[8] if len(args) > 8 else None)
         return forward(*args)
@@ -147,7 +153,7 @@ def spy(forward, taken: list):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D in triton_hopper.TILES for tile in triton_hopper.document_tiles(D)])
+@pytest.mark.parametrize("D, tile", [(D, tile) for D in shapes.FORWARD_TILES for tile in shapes.document_tiles(D)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_forward_tile_keeps_to_documents(D, tile, causal):
     # 4 x 8 heads of 1000 rows: persistent programs walk pairs of items, whose key ranges start mid-row
@@ -156,8 +162,8 @@ def test_every_forward_tile_keeps_to_documents(D, tile, causal):
     q, k, v = qkv(B, H, 2, T, T, D, torch.bfloat16, device="cuda")
     ids = uneven_ids(B, T, seed=2).cuda()
     mask = BlockMask.from_rules(T, T, causal=causal, document_ids=ids)
-    o, lse = triton_dispatch.empty_bthd(B, H, T, D, q), torch.empty(B, H, T, device="cuda")
-    triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile, (mask.document_spans(), ids))
+    o, lse = dispatch.empty_bthd(B, H, T, D, q), torch.empty(B, H, T, device="cuda")
+    hopper_forward.forward(q, k, v, o, lse, causal, D ** -0.5, tile, (mask.document_spans(), ids))
     visible = mask.dense(B, H, "cuda")
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible, enable_gqa=True)
     math = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
@@ -165,10 +171,10 @@ def test_every_forward_tile_keeps_to_documents(D, tile, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper_backward.TILES.items() for tile in tiles])
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in shapes.BACKWARD_TILES.items() for tile in tiles])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_backward_tile_keeps_to_documents(monkeypatch, D, tile, causal):
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")  # the forward's lse from the `tl` kernel
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "0")  # the forward's lse from the `tl` kernel
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     torch.manual_seed(0)
     B, Hq, Hkv, T = 2, 4, 2, 1000
@@ -176,9 +182,9 @@ def test_every_backward_tile_keeps_to_documents(monkeypatch, D, tile, causal):
     do = torch.randn_like(q)
     ids = uneven_ids(B, T, seed=4).cuda()
     mask = BlockMask.from_rules(T, T, causal=causal, document_ids=ids)
-    o, lse = triton_dispatch.forward(q, k, v, causal, D ** -0.5, triton_op.kernel_mask_args(mask))
+    o, lse = dispatch.forward(q, k, v, causal, D ** -0.5, autograd.kernel_mask_args(mask))
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
-    triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, D ** -0.5, tile,
+    hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, D ** -0.5, tile,
                                     (mask.document_spans(), ids))
     naive = lambda *t: attention(*t, causal, backend="naive", block_mask=mask)  # noqa: E731
     exact = out_and_grads(naive, q.double(), k.double(), v.double(), do.double())[1:]
@@ -187,14 +193,14 @@ def test_every_backward_tile_keeps_to_documents(monkeypatch, D, tile, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", sorted(triton_hopper.TILES))
+@pytest.mark.parametrize("D", sorted(shapes.FORWARD_TILES))
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_on_hopper_kernels_matches_fp64(monkeypatch, D, causal):
     # one cu_seqlens for queries and keys: the sequences are documents of one batch entry, with empty, one-row and
     # ragged ones among them
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     taken = []
-    monkeypatch.setattr(triton_hopper, "forward", spy(triton_hopper.forward, taken))
+    monkeypatch.setattr(hopper_forward, "forward", spy(hopper_forward.forward, taken))
     torch.manual_seed(5)
     lengths = [1, 700, 129, 0, 2000, 63, 1031]
     cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).cuda()

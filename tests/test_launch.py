@@ -1,4 +1,4 @@
-"""attention/launch.py: two launches share a key only if Triton would compile them alike, so a kept kernel never
+"""attention/flash/launch.py: two launches share a key only if Triton would compile them alike, so a kept kernel never
 runs on arguments it was not compiled for. triton_dispatch's launch plans: likewise one plan per dense call that
 launches alike, and later calls run it on their own tensors."""
 import types
@@ -6,8 +6,8 @@ import types
 import torch
 from helpers import assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv, whole_paths
 
-from attention import triton_dispatch
-from attention.launch import launch_key
+from attention.flash import dispatch
+from attention.flash.launch import launch_key
 
 
 def key(*args, grid=(4, 2), **constants):
@@ -70,25 +70,25 @@ def test_a_call_that_launches_otherwise_gets_its_own_plan(monkeypatch):
     assert_matches_fp64(q, k, v, causal=True, window=(8, 0))  # sparse: the whole path every time, no plan
     assert_matches_fp64(q, k, v, causal=True, window=(8, 0))
     assert taken[10:] == ["_forward_plan", "_backward_plan"] * 2
-    assert len(triton_dispatch._plans) == 10
+    assert len(dispatch._plans) == 10
 
 
 def test_calls_through_the_operators_run_plans(monkeypatch):
     # torch.compile calls the kernels through torch.ops.nanoflash.*, whose mask arguments arrive flattened
-    from attention.triton_op import flash_attn_bwd, flash_attn_fwd
+    from attention.flash.autograd import flash_attn_bwd, flash_attn_fwd
 
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
     for _ in range(2):
         q, k, v = qkv(Tq=37, Tk=37, D=32)
         o, lse = flash_attn_fwd(q, k, v, True, 0.2)
-        torch.testing.assert_close(o, triton_dispatch.forward(q, k, v, True, 0.2)[0])
+        torch.testing.assert_close(o, dispatch.forward(q, k, v, True, 0.2)[0])
         flash_attn_bwd(torch.randn_like(q), q, k, v, o, lse, True, 0.2)
     assert taken == ["_forward_plan", "_backward_plan"]
 
 
 def plan_key(*tensors, causal=True):
-    return triton_dispatch._plan_key("fwd", causal, triton_dispatch.DENSE, None, *tensors)
+    return dispatch._plan_key("fwd", causal, dispatch.DENSE, None, *tensors)
 
 
 def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
@@ -101,20 +101,20 @@ def test_plan_keys_hold_what_the_launches_depend_on(monkeypatch):
     assert plan_key(q[:, :, :39], k, k) != base  # shape
     assert plan_key(q.half(), k, k) != base
     assert plan_key(q, k, k, causal=False) != base
-    window = triton_dispatch.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
-    assert triton_dispatch._plan_key("fwd", True, window, None, q, k, k) not in (None, base)
+    window = dispatch.MaskArgs(window=(8, 0))  # a mask of numbers only: in the key
+    assert dispatch._plan_key("fwd", True, window, None, q, k, k) not in (None, base)
     cu = torch.tensor([0, 40], dtype=torch.int32)  # varlen: the longest lengths in the key, cu_seqlens as tensors
-    varlen = triton_dispatch.Varlen(cu, cu, 40, 40)
-    assert triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen, q, k, k, cu, cu) not in (None, base)
-    assert (triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen._replace(max_seqlen_q=39), q, k, k,
-                                      cu, cu) != triton_dispatch._plan_key("fwd", True, triton_dispatch.DENSE, varlen,
+    varlen = dispatch.Varlen(cu, cu, 40, 40)
+    assert dispatch._plan_key("fwd", True, dispatch.DENSE, varlen, q, k, k, cu, cu) not in (None, base)
+    assert (dispatch._plan_key("fwd", True, dispatch.DENSE, varlen._replace(max_seqlen_q=39), q, k, k,
+                                      cu, cu) != dispatch._plan_key("fwd", True, dispatch.DENSE, varlen,
                                                                            q, k, k, cu, cu))
-    blocks = triton_dispatch.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
-    assert triton_dispatch._plan_key("fwd", True, blocks, None, q, k, k) is None
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")  # the settings a test or a user may change
+    blocks = dispatch.MaskArgs(kv_blocks=torch.zeros(1, 1, 1, 4, dtype=torch.int32))  # tensors: no plan
+    assert dispatch._plan_key("fwd", True, blocks, None, q, k, k) is None
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "0")  # the settings a test or a user may change
     assert plan_key(q, k, k) != base
     monkeypatch.undo()
-    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
+    monkeypatch.setattr(dispatch, "TMA_MODE", "1")
     assert plan_key(q, k, k) != base
     monkeypatch.undo()
     torch.use_deterministic_algorithms(True)
@@ -138,9 +138,9 @@ def test_forgetting_the_plans_makes_the_next_call_take_the_whole_path(monkeypatc
     # what conftest.py does before every test, and what a change to a setting the plans bind needs
     taken = whole_paths(monkeypatch)
     q, k, v = qkv(Tq=20, Tk=20, D=16)
-    first = [triton_dispatch.forward(q, k, v, True, 0.25)[0] for _ in range(2)]
-    assert taken == ["_forward_plan"] and len(triton_dispatch._plans) == 1
-    triton_dispatch.forget_plans()
-    assert triton_dispatch._plans == {}
-    assert torch.equal(triton_dispatch.forward(q, k, v, True, 0.25)[0], first[0])
+    first = [dispatch.forward(q, k, v, True, 0.25)[0] for _ in range(2)]
+    assert taken == ["_forward_plan"] and len(dispatch._plans) == 1
+    dispatch.forget_plans()
+    assert dispatch._plans == {}
+    assert torch.equal(dispatch.forward(q, k, v, True, 0.25)[0], first[0])
     assert torch.equal(first[0], first[1]) and taken == ["_forward_plan"] * 2

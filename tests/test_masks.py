@@ -10,7 +10,7 @@ from attention.masks import (
     mask_fn_mask,
     window_mask,
 )
-from attention.naive import naive_attention
+from attention.reference.naive import naive_attention
 
 
 def rows(mask: torch.Tensor) -> list[str]:

@@ -6,7 +6,7 @@ import torch
 from helpers import qkv
 
 from attention import attention, get_backend
-from attention.moba import block_means, check_moba_options, check_same_length, moba_attention, moba_keys_per_query, moba_mask, moba_select
+from attention.moba.reference import block_means, check_moba_options, check_same_length, moba_attention, moba_keys_per_query, moba_mask, moba_select
 
 
 def _qkv(B=2, Hq=4, Hkv=2, T=70, D=8, dtype=torch.float64, seed=0):

@@ -1,17 +1,18 @@
-"""The fused MoBA kernels (attention/triton_moba.py) against float64, forward and backward, on the CPU
+"""The fused MoBA kernels (attention/moba/tl_kernels.py) against float64, forward and backward, on the CPU
 interpreter (small blocks) and, marked gpu, at training sizes in bf16, on an sm_90 GPU through the Hopper kernels
-(triton_moba_hopper.py, whose layout is checked on the CPU too) and the `tl` ones; and the same kernels as the
+(moba/hopper.py, whose layout is checked on the CPU too) and the `tl` ones; and the same kernels as the
 "moba" backend of attention() and attention_qkvpacked()."""
 import pytest
 import torch
 from helpers import assert_fn_matches_fp64, assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv
 
-from attention import attention, triton_moba_op, unpack_qkv
-from attention.moba import block_means, moba_attention, moba_mask, moba_select
-from attention.naive import naive_attention
-from attention.triton_moba import entry_lists, merge_slots, moba_gate, work_items
-from attention.triton_moba_hopper import ROW_TILE, entry_layout
-from attention.triton_moba_op import moba_triton
+from attention import attention, unpack_qkv
+from attention.moba import op as moba_op
+from attention.moba.reference import block_means, moba_attention, moba_mask, moba_select
+from attention.reference.naive import naive_attention
+from attention.moba.tl_kernels import entry_lists, merge_slots, moba_gate, work_items
+from attention.moba.hopper import ROW_TILE, entry_layout
+from attention.moba.op import moba_triton
 
 
 def assert_moba_matches_fp64(B, Hq, Hkv, T, D, block_size, topk, dtype, device="cpu"):
@@ -140,7 +141,7 @@ def test_hopper_layout_spans_are_moba(B, Hq, Hkv, T, block_size, topk):
     ],
 )
 def test_moba_matches_fp64_gpu(B, Hq, Hkv, T, D, block_size, topk, dtype, kernels, monkeypatch):
-    monkeypatch.setattr(triton_moba_op, "HOPPER_MODE", kernels)
+    monkeypatch.setattr(moba_op, "HOPPER_MODE", kernels)
     assert_moba_matches_fp64(B, Hq, Hkv, T, D, block_size, topk, dtype, device="cuda")
 
 

@@ -11,8 +11,8 @@ from helpers import random_tokens, registered_backend
 import attention
 import model as model_module
 from attention.masks import causal_mask, window_mask
-from attention.moba import moba_attention
-from attention.naive import naive_attention
+from attention.moba.reference import moba_attention
+from attention.reference.naive import naive_attention
 from model import GPT, GPTConfig, load_hf_state_dict
 
 # tiny but with every feature: 2 layers, 3 heads of 16 channels (the smallest head tl.dot takes), GPT-2's vocabulary

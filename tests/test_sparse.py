@@ -140,7 +140,7 @@ def test_document_ids_mask_built_once_per_ids_tensor(monkeypatch):
 @pytest.mark.parametrize("Tq,Tk,causal,window,block", [(100, 100, True, None, 16), (70, 100, True, (20, 0), 16),
                                                         (100, 100, False, (10, 5), 32), (33, 33, False, None, 16)])
 def test_document_lists_kernel_matches_the_torch_build(monkeypatch, Tq, Tk, causal, window, block):
-    # triton_block_lists.py builds a document mask's state and block lists in three launches; they must equal
+    # flash/block_lists.py builds a document mask's state and block lists in three launches; they must equal
     # block_mask.py's torch build, for packed ids and for ids that are not sorted (row 1)
     from attention import block_mask
 

@@ -8,7 +8,7 @@ from helpers import markdown_section, qkv
 
 from attention import attention
 from attention.masks import dense_mask, mask_fn_mask
-from attention.moba import moba_mask, moba_select
+from attention.moba.reference import moba_mask, moba_select
 from benchmarks import sparse
 from benchmarks.attention import Shape
 from benchmarks.report import fmt

@@ -680,9 +680,9 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_before_anything_is_w
 ])
 def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatch, capsys, flags, message):
     # in this process: Triton's interpreter read as off (TRITON_INTERPRET unset), CUDA as missing
-    from attention import triton_support
+    from attention.flash import device
 
-    monkeypatch.setattr(triton_support, "INTERPRET", False)
+    monkeypatch.setattr(device, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     status, out, err = run_main([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}", "--wandb=false", *flags],
                                 capsys)

@@ -3,16 +3,16 @@ TRITON_INTERPRET=1). Sizes stay tiny: the interpreter runs every program one aft
 numpy. bfloat16 is left to tests/test_triton_gpu.py: the interpreter's tl.dot cannot do it."""
 import importlib
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import (ROOT, assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
                      assert_qkvpacked_matches_fp64, packed_qkv, projection_views, qkv)
 
-from attention import (attention, attention_qkvpacked, causal_mask, triton_dispatch, triton_flash, triton_hopper,
-                       triton_hopper_backward, triton_moba_hopper, triton_support)
-from attention.triton_op import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
+from attention import attention, attention_qkvpacked, causal_mask
+from attention.flash import dispatch
+from attention.flash import device
+from attention.flash.autograd import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
 
 
 # The interpreter tiles are 32x16 (forward, dQ) and 16x32 (dK/dV): T = 37 and 70 leave ragged last
@@ -139,23 +139,23 @@ def test_backward_is_deterministic():
 ])
 def test_tensor_descriptor_loads_match_fp64(monkeypatch, causal, Tq, Tk, D, sparse):
     # §9 TMA: the interpreter runs the forward's descriptor loads, which the GPU only takes on Hopper
-    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
+    monkeypatch.setattr(dispatch, "TMA_MODE", "1")
     torch.manual_seed(0)
     q, k, v = qkv(Hq=4, Hkv=2, Tq=Tq, Tk=Tk, D=D, dtype=torch.float16)
-    assert triton_dispatch.use_tma(q, k, v)
+    assert dispatch.use_tma(q, k, v)
     assert_matches_fp64(q, k, v, causal=causal, **sparse)
 
 
 def test_tensor_descriptors_only_for_aligned_layouts(monkeypatch):
-    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "1")
+    monkeypatch.setattr(dispatch, "TMA_MODE", "1")
     q, k, _ = qkv(2, 3, 3, 50, 50, 64, torch.float16)
-    assert triton_dispatch.use_tma(q, k.transpose(1, 2).contiguous().transpose(1, 2))  # any aligned strides
-    assert not triton_dispatch.use_tma(qkv(2, 3, 3, 50, 50, 36, torch.float16)[0])  # 72-byte rows
-    assert not triton_dispatch.use_tma(q.transpose(-1, -2))  # head dim not unit-stride
+    assert dispatch.use_tma(q, k.transpose(1, 2).contiguous().transpose(1, 2))  # any aligned strides
+    assert not dispatch.use_tma(qkv(2, 3, 3, 50, 50, 36, torch.float16)[0])  # 72-byte rows
+    assert not dispatch.use_tma(q.transpose(-1, -2))  # head dim not unit-stride
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q).copy_(q)  # start 2 bytes off alignment
-    assert not triton_dispatch.use_tma(shifted)
-    monkeypatch.setattr(triton_dispatch, "TMA_MODE", "0")
-    assert not triton_dispatch.use_tma(q)
+    assert not dispatch.use_tma(shifted)
+    monkeypatch.setattr(dispatch, "TMA_MODE", "0")
+    assert not dispatch.use_tma(q)
 
 
 def test_registry_backend_is_this_kernel():
@@ -190,7 +190,7 @@ def test_bad_input_errors(inputs, error, message):
 
 
 def test_cpu_tensors_without_interpreter_error(monkeypatch):
-    monkeypatch.setattr(triton_support, "INTERPRET", False)  # what check_triton_support reads
+    monkeypatch.setattr(device, "INTERPRET", False)  # what check_triton_support reads
     with pytest.raises(ValueError, match="the triton attention kernels run on .*cpu.*TRITON_INTERPRET=1"):
         flash_attention(*qkv())
 
@@ -216,16 +216,25 @@ def test_torch_compile_fullgraph(packed):
     assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
 
 
-@pytest.mark.parametrize("module", [triton_flash, triton_hopper, triton_hopper_backward, triton_moba_hopper],
-                         ids=lambda m: m.__name__)
-def test_doc_and_kernel_point_at_each_other(module):
-    # docs/flash_attention.md cites kernel code as `triton_flash.py:name` (`triton_hopper.py:name`, ...) and the
-    # kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel (a @triton.jit or
-    # @gluon.jit function) must be cited
+KERNEL_FILES = ["flash/tl_tiles.py", "flash/tl_forward.py", "flash/tl_backward.py", "flash/hopper/gluon_common.py",
+                "flash/hopper/gluon_forward.py", "flash/hopper/gluon_backward.py", "flash/hopper/backward.py",
+                "moba/hopper.py"]
+
+
+def _module(path: str):
+    """attention/<path> as a module: flash/tl_forward.py -> attention.flash.tl_forward"""
+    return importlib.import_module("attention." + path.removesuffix(".py").replace("/", "."))
+
+
+@pytest.mark.parametrize("file", KERNEL_FILES)
+def test_doc_and_kernel_point_at_each_other(file):
+    # docs/flash_attention.md cites kernel code as `flash/tl_forward.py:name` (`flash/hopper/gluon_forward.py:name`,
+    # ...) and the kernels' comments cite the doc's sections as §N; every citation must resolve, and every kernel (a
+    # @triton.jit or @gluon.jit function) must be cited
     doc = (ROOT / "docs" / "flash_attention.md").read_text()
-    file = Path(module.__file__).name
+    module = _module(file)
     code = (ROOT / "attention" / file).read_text()
-    cited_names = set(re.findall(rf"`{file}:(\w+)`", doc))
+    cited_names = set(re.findall(rf"`{re.escape(file)}:(\w+)`", doc))
     assert cited_names
     for name in cited_names:
         assert hasattr(module, name), f"docs/flash_attention.md cites missing {file}:{name}"
@@ -239,13 +248,13 @@ def test_doc_and_kernel_point_at_each_other(module):
 
 
 def test_every_code_citation_in_the_doc_resolves():
-    # besides the kernels: the dispatch, tuner, MoBA and other modules the doc cites as `file.py:name`
+    # besides the kernels: the dispatch, tuner, MoBA and other modules the doc cites as `path.py:name`
     doc = (ROOT / "docs" / "flash_attention.md").read_text()
-    cited = set(re.findall(r"`(\w+)\.py:(\w+)`", doc))
-    assert {"triton_dispatch", "triton_tuner"} <= {file for file, _ in cited}
+    cited = set(re.findall(r"`([\w/]+\.py):(\w+)`", doc))
+    assert {"flash/dispatch.py", "flash/tuner.py"} <= {file for file, _ in cited}
     missing = []
     for file, name in sorted(cited):
-        assert (ROOT / "attention" / f"{file}.py").is_file(), f"docs/flash_attention.md cites attention/{file}.py"
-        if not hasattr(importlib.import_module(f"attention.{file}"), name):
-            missing.append(f"{file}.py:{name}")
+        assert (ROOT / "attention" / file).is_file(), f"docs/flash_attention.md cites attention/{file}"
+        if not hasattr(_module(file), name):
+            missing.append(f"{file}:{name}")
     assert missing == [], "docs/flash_attention.md cites names the code lacks"

@@ -8,7 +8,9 @@ import torch
 from helpers import (assert_bitwise_deterministic, assert_compiled_matches_eager, assert_matches_fp64,
                      assert_qkvpacked_matches_fp64, packed_qkv, projection_views, qkv)
 
-from attention import triton_dispatch, triton_tuner
+from attention.flash import dispatch
+from attention.flash import tuner
+from attention.flash import tiles
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("default_tiles")]  # conftest.py
 
@@ -49,7 +51,7 @@ def test_qkvpacked_matches_fp64(T, window):
 
 
 def test_kept_launches_follow_alignment():
-    # attention/launch.py keeps a compiled kernel per launch key: the same shapes and strides at an address off
+    # attention/flash/launch.py keeps a compiled kernel per launch key: the same shapes and strides at an address off
     # 16-byte alignment must get a kernel compiled for it (a kept aligned one would issue misaligned vector loads)
     torch.manual_seed(0)
     aligned = qkv(2, 4, 4, 1000, 1000, 64, torch.bfloat16, device="cuda")
@@ -61,7 +63,7 @@ def test_kept_launches_follow_alignment():
 
 @pytest.mark.parametrize("tma_mode", ["1", "0"])  # the forward's descriptor loads (Hopper), pointer loads
 def test_load_paths_match_fp64(monkeypatch, tma_mode):
-    monkeypatch.setattr(triton_dispatch, "TMA_MODE", tma_mode)
+    monkeypatch.setattr(dispatch, "TMA_MODE", tma_mode)
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 8, 4, 1000, 1000, 128, torch.bfloat16, device="cuda"), causal=True)
 
@@ -78,12 +80,12 @@ def test_torch_compile_fullgraph(packed):
 
 
 @pytest.mark.parametrize("kernel, head_dim, tile", [(kernel, head_dim, tile)
-                                                     for kernel, by_dim in triton_tuner.HOPPER_TILES.items()
+                                                     for kernel, by_dim in tiles.TL_TILES.items()
                                                      for head_dim in (64, 128) for tile in by_dim[head_dim]])
 def test_every_tile_candidate_matches_fp64(monkeypatch, kernel, head_dim, tile):
     # the tuner may pick any candidate for some shape: each one alone, on a causal, ragged call
-    monkeypatch.setitem(triton_tuner.HOPPER_TILES, kernel, {**triton_tuner.HOPPER_TILES[kernel], head_dim: [tile]})
-    monkeypatch.setattr(triton_tuner, "best_tile", {})
+    monkeypatch.setitem(tiles.TL_TILES, kernel, {**tiles.TL_TILES[kernel], head_dim: [tile]})
+    monkeypatch.setattr(tuner, "best_tile", {})
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, device="cuda"), causal=True)
 

@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper forward (attention/triton_hopper.py, §12). Gluon has no CPU interpreter, so
+"""The warp-specialized Hopper forward (attention/flash/hopper/gluon_forward.py, §12). Gluon has no CPU interpreter, so
 on the CPU these tests check when the kernel is used and that it builds for sm_90 with the installed
 Triton; its numbers are checked on the GPU (marked gpu), against float64 like every other kernel."""
 import json
@@ -11,10 +11,13 @@ import torch
 import triton
 from helpers import ROOT, assert_matches_fp64, assert_qkvpacked_matches_fp64, packed_qkv, qkv
 
-from attention import triton_dispatch, triton_hopper
+from attention.flash import dispatch
+from attention.flash import device
+from attention.flash.hopper import forward as hopper_forward
+from attention.flash.hopper import shapes
 from benchmarks.hopper_build import forward_build
 
-needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
+needs_gluon = pytest.mark.skipif(not device.HAS_GLUON, reason="this Triton has no Gluon (3.6 or newer)")
 
 
 def aligned(B=2, H=4, T=256, D=64, dtype=torch.bfloat16):
@@ -26,25 +29,25 @@ def aligned(B=2, H=4, T=256, D=64, dtype=torch.bfloat16):
 def test_supports_only_what_the_kernel_runs(monkeypatch):
     # on a CPU box the GPU check fails first; pretend to be an H100/H200 to check the other rules
     q = aligned()
-    assert not triton_hopper.supports(q, q, q, dense=True)
-    monkeypatch.setattr(triton_hopper, "INTERPRET", False)  # the module's own copy, which supports() reads
-    monkeypatch.setattr(triton_hopper, "is_hopper", lambda device: True)
-    assert triton_hopper.supports(q, q, q, dense=True)
-    assert triton_hopper.supports(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, dense=True)  # any strides
-    assert triton_hopper.supports(aligned(D=128, dtype=torch.float16), aligned(H=2, D=128, dtype=torch.float16),
+    assert not hopper_forward.forward_supports(q, q, q, dense=True)
+    monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # the module's own copy, which supports() reads
+    monkeypatch.setattr(hopper_forward, "is_hopper", lambda device: True)
+    assert hopper_forward.forward_supports(q, q, q, dense=True)
+    assert hopper_forward.forward_supports(q.transpose(1, 2).contiguous().transpose(1, 2), q, q, dense=True)  # any strides
+    assert hopper_forward.forward_supports(aligned(D=128, dtype=torch.float16), aligned(H=2, D=128, dtype=torch.float16),
                                   aligned(H=2, D=128, dtype=torch.float16), dense=True)  # GQA
-    assert not triton_hopper.supports(q, q, q, dense=False)  # block masks: the `tl` kernel walks their lists
-    assert not triton_hopper.supports(*(aligned(dtype=torch.float32),) * 3, dense=True)  # wgmma here: 16-bit only
-    assert not triton_hopper.supports(*(aligned(D=96),) * 3, dense=True)  # head dims without tuned tiles
+    assert not hopper_forward.forward_supports(q, q, q, dense=False)  # block masks: the `tl` kernel walks their lists
+    assert not hopper_forward.forward_supports(*(aligned(dtype=torch.float32),) * 3, dense=True)  # wgmma here: 16-bit only
+    assert not hopper_forward.forward_supports(*(aligned(D=96),) * 3, dense=True)  # head dims without tuned tiles
     odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view_as(q).copy_(q)  # start not 16-byte aligned
-    assert not triton_hopper.supports(odd, q, q, dense=True)
-    assert not triton_hopper.supports(q, q.transpose(-1, -2).contiguous().transpose(-1, -2), q, dense=True)
-    monkeypatch.setattr(triton_hopper, "INTERPRET", True)
-    assert not triton_hopper.supports(q, q, q, dense=True)
+    assert not hopper_forward.forward_supports(odd, q, q, dense=True)
+    assert not hopper_forward.forward_supports(q, q.transpose(-1, -2).contiguous().transpose(-1, -2), q, dense=True)
+    monkeypatch.setattr(hopper_forward, "INTERPRET", True)
+    assert not hopper_forward.forward_supports(q, q, q, dense=True)
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim", sorted(triton_hopper.TILES))
+@pytest.mark.parametrize("head_dim", sorted(shapes.FORWARD_TILES))
 def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
     # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are.
     # Catches a Gluon API change in the installed Triton, and a change that makes a tile spill.
@@ -54,7 +57,7 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     # a build per (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS): the grid (persistent or not) is the launch's
-    assert len(builds) == len({forward_build(tile) for tile in triton_hopper.TILES[head_dim]}), builds
+    assert len(builds) == len({forward_build(tile) for tile in shapes.FORWARD_TILES[head_dim]}), builds
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §12 describes
         # The tiles were chosen on the GPU box's Triton 3.6, which builds the two-consumer ones without spills, and
@@ -85,18 +88,18 @@ CASES = [  # dtype, D, causal, B, Hq, Hkv, Tq, Tk
 @pytest.mark.parametrize("dtype, D, causal, B, Hq, Hkv, Tq, Tk", CASES)
 def test_matches_fp64_forward_and_backward(monkeypatch, dtype, D, causal, B, Hq, Hkv, Tq, Tk):
     # NANOFLASH_HOPPER=1: the forward is this kernel, the backward reads its lse
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, dtype, device="cuda")
-    assert triton_hopper.supports(q, k, v, dense=True)
+    assert hopper_forward.forward_supports(q, k, v, dense=True)
     assert_matches_fp64(q, k, v, causal=causal)
 
 
 @pytest.mark.gpu
 def test_packed_qkv_layout(monkeypatch):
     # GPT-2's fused projection: q, k, v are strided views of one (B, T, 3, H, D) tensor
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
     torch.manual_seed(0)
     assert_qkvpacked_matches_fp64(packed_qkv(2, 1000, 12, 64, torch.bfloat16, "cuda"))
@@ -114,7 +117,7 @@ def exact_lse(q, k, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles])
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in shapes.FORWARD_TILES.items() for tile in tiles])
 @pytest.mark.parametrize("causal", [True, False])
 def test_every_tile_matches_fp64(monkeypatch, D, tile, causal):
     # the tuner may pick any tile for some shape: each one's output against float64, its lse against the `tl`
@@ -128,23 +131,23 @@ def assert_tile_matches_fp64(monkeypatch, tile, causal, B, Hq, Hkv, Tq, Tk, D):
     against float64 (within twice the `tl` kernel's)."""
     torch.manual_seed(0)
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, D, torch.bfloat16, device="cuda")
-    o, lse = triton_dispatch.empty_bthd(B, Hq, Tq, D, q), torch.empty(B, Hq, Tq, device="cuda")
-    triton_hopper.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
+    o, lse = dispatch.empty_bthd(B, Hq, Tq, D, q), torch.empty(B, Hq, Tq, device="cuda")
+    hopper_forward.forward(q, k, v, o, lse, causal, D ** -0.5, tile)
     # §6 the causal mask aligned to the last key (row i sees keys <= i + Tk - Tq)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device="cuda").tril(Tk - Tq) if causal else None
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                              enable_gqa=True)
     math = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert (o.double() - exact).abs().max() <= 2 * (math.double() - exact).abs().max() + 1e-5
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "0")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
-    lse_tl = triton_dispatch.forward(q, k, v, causal, D ** -0.5)[1]
+    lse_tl = dispatch.forward(q, k, v, causal, D ** -0.5)[1]
     lse_exact = exact_lse(q, k, causal)
     assert (lse.double() - lse_exact).abs().max() <= 2 * (lse_tl.double() - lse_exact).abs().max() + 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles])
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in shapes.FORWARD_TILES.items() for tile in tiles])
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_last_key_tile_taken_by_half(monkeypatch, D, tile, causal):
     # 1050 keys: the last key tile holds 26, fewer than half its width, so two-consumer tiles at hs=64 take its first
@@ -153,10 +156,10 @@ def test_a_last_key_tile_taken_by_half(monkeypatch, D, tile, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in triton_hopper.TILES.items() for tile in tiles
+@pytest.mark.parametrize("D, tile", [(D, tile) for D, tiles in shapes.FORWARD_TILES.items() for tile in tiles
                                      if tile[3]])  # the persistent ones
 def test_persistent_programs_walk_several_pairs_and_a_lone_item(monkeypatch, D, tile):
-    # a persistent program takes pairs of items, p, p + programs, ... (triton_hopper._items): here more pairs than
+    # a persistent program takes pairs of items, p, p + programs, ... (gluon_forward.program_items): here more pairs than
     # SMs, so some programs walk two, and an odd item count, so the last pair is a lone item. Items of one to three
     # key tiles, so the producer refills Q while the consumers are still on the item before: 50 launches, every row
     # checked in each (a missing fence between reading Q and releasing it failed 6-42% of such launches).
@@ -166,14 +169,14 @@ def test_persistent_programs_walk_several_pairs_and_a_lone_item(monkeypatch, D, 
     q, k, v = qkv(1, heads, heads, 300, 300, D, torch.bfloat16, device="cuda")
     exact = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     math = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "0")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "0")
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "0")
-    lse_tl = triton_dispatch.forward(q, k, v, True, D ** -0.5)[1]
+    lse_tl = dispatch.forward(q, k, v, True, D ** -0.5)[1]
     lse_exact = exact_lse(q, k, True)
-    o, lse = triton_dispatch.empty_bthd(1, heads, 300, D, q), torch.empty(1, heads, 300, device="cuda")
+    o, lse = dispatch.empty_bthd(1, heads, 300, D, q), torch.empty(1, heads, 300, device="cuda")
     for _ in range(50):
         o.fill_(float("nan"))
         lse.fill_(float("nan"))
-        triton_hopper.forward(q, k, v, o, lse, True, D ** -0.5, tile)
+        hopper_forward.forward(q, k, v, o, lse, True, D ** -0.5, tile)
         assert (o.double() - exact).abs().max() <= 2 * (math.double() - exact).abs().max() + 1e-5
         assert (lse.double() - lse_exact).abs().max() <= 2 * (lse_tl.double() - lse_exact).abs().max() + 1e-5

@@ -1,4 +1,4 @@
-"""The warp-specialized Hopper backward (attention/triton_hopper_backward.py, §13). On the CPU: when it is used,
+"""The warp-specialized Hopper backward (attention/flash/hopper/gluon_backward.py, §13). On the CPU: when it is used,
 that it builds for sm_90, and its `tl` pre- and post-pass (the interpreter runs those); on the GPU (marked gpu):
 its gradients against float64, every stage count, every element written."""
 import json
@@ -11,39 +11,44 @@ import torch
 import triton
 from helpers import ROOT, assert_errors_within, assert_matches_fp64, out_and_grads, qkv, whole_paths
 
-from attention import attention, triton_dispatch, triton_hopper, triton_hopper_backward
+from attention import attention
+from attention.flash import dispatch
+from attention.flash import device
+from attention.flash.hopper import backward as hopper_backward
+from attention.flash.hopper import forward as hopper_forward
+from attention.flash.hopper import shapes
 
-needs_gluon = pytest.mark.skipif(triton_hopper.gluon is None, reason="this Triton has no Gluon (3.6 or newer)")
+needs_gluon = pytest.mark.skipif(not device.HAS_GLUON, reason="this Triton has no Gluon (3.6 or newer)")
 
 
 @needs_gluon
 def test_supports_only_what_the_kernel_runs(monkeypatch):
-    monkeypatch.setattr(triton_hopper, "INTERPRET", False)  # the copy triton_hopper.supports reads
-    monkeypatch.setattr(triton_hopper, "is_hopper", lambda device: True)  # pretend to be an H100/H200
+    monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # the copy hopper_forward.forward_supports reads
+    monkeypatch.setattr(hopper_forward, "is_hopper", lambda device: True)  # pretend to be an H100/H200
     q = qkv(2, 4, 4, 256, 256, 64, torch.bfloat16)[0]
     grads = (q, q, q)
-    assert triton_hopper_backward.supports(q, q, q, q, q, grads, dense=True)
-    assert not triton_hopper_backward.supports(q, q, q, q, q, grads, dense=False)  # block masks: the `tl` kernels
+    assert hopper_backward.backward_supports(q, q, q, q, q, grads, dense=True)
+    assert not hopper_backward.backward_supports(q, q, q, q, q, grads, dense=False)  # block masks: the `tl` kernels
     narrow = qkv(2, 4, 4, 256, 256, 32, torch.bfloat16)[0]
-    assert not triton_hopper_backward.supports(narrow, narrow, narrow, narrow, narrow, (narrow,) * 3, dense=True)
+    assert not hopper_backward.backward_supports(narrow, narrow, narrow, narrow, narrow, (narrow,) * 3, dense=True)
     column_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)
-    assert not triton_hopper_backward.supports(q, q, q, column_strided, q, grads, dense=True)  # o by pointers
-    assert not triton_hopper_backward.supports(q, q, q, q, q, (q, column_strided, q), dense=True)
-    assert not triton_hopper_backward.supports(q, q, q, q, column_strided, grads, dense=True)  # dO by TMA
+    assert not hopper_backward.backward_supports(q, q, q, column_strided, q, grads, dense=True)  # o by pointers
+    assert not hopper_backward.backward_supports(q, q, q, q, q, (q, column_strided, q), dense=True)
+    assert not hopper_backward.backward_supports(q, q, q, q, column_strided, grads, dense=True)  # dO by TMA
 
 
 def test_staged_tiles_only_for_gradients_the_copy_engine_writes():
     dk = qkv(2, 4, 4, 256, 256, 64, torch.bfloat16)[1]
-    everything = triton_hopper_backward.TILES[64]
+    everything = shapes.BACKWARD_TILES[64]
     assert any(staged for _, staged in everything) and any(not staged for _, staged in everything)
-    assert triton_hopper_backward.tiles(64, dk, dk) == everything
+    assert hopper_backward.backward_tiles(64, dk, dk) == everything
     # a gradient starting 2 bytes into its buffer: pointers write it, TMA (16-byte aligned starts) cannot
     shifted = torch.empty(dk.numel() + 1, dtype=dk.dtype)[1:].view_as(dk)
-    assert triton_hopper_backward.tiles(64, dk, shifted) == [tile for tile in everything if not tile[1]]
+    assert hopper_backward.backward_tiles(64, dk, shifted) == [tile for tile in everything if not tile[1]]
 
 
 @needs_gluon
-@pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
+@pytest.mark.parametrize("head_dim", sorted(shapes.BACKWARD_TILES))
 def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
     # in a process of its own: Triton decides at import whether kernels are interpreted, and this session's are
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
@@ -51,7 +56,7 @@ def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == len(triton_hopper_backward.TILES[head_dim]), builds  # one per tile
+    assert len(builds) == len(shapes.BACKWARD_TILES[head_dim]), builds  # one per tile
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
         assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (_tma_add)
@@ -79,7 +84,7 @@ def test_pre_and_post_pass():
     lse_row, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
     grid = (Tq_pad // rows, B * H)
-    triton_hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
+    hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
                                                    *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
@@ -89,7 +94,7 @@ def test_pre_and_post_pass():
     # unpadded (Tq_pad == Tq: a gathered problem's rows, MoBA's, §11, are copied from these, not loaded by tiles): a
     # head's rows end at Tq, and the next head's are not written over
     lse_row, delta = (torch.full((B * H * Tq + 1,), float("nan")) for _ in range(2))
-    triton_hopper_backward.attn_bwd_prepare[(-(-Tq // rows), B * H)](
+    hopper_backward.attn_bwd_prepare[(-(-Tq // rows), B * H)](
         o, do, lse, lse_row, delta, None, *o.stride()[:3], *do.stride()[:3], H, Tq, Tq, lse_unit, HEAD_DIM=D,
         ROWS=rows)
     torch.testing.assert_close(delta[:-1], expected.flatten(), atol=1e-4, rtol=1e-5)
@@ -98,12 +103,12 @@ def test_pre_and_post_pass():
 
     dq_acc = torch.randn(B * H, Tq_pad, D)
     dq = torch.zeros(B, Tq, H, D, dtype=torch.float16).transpose(1, 2)  # the model's layout
-    triton_hopper_backward.attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
+    hopper_backward.attn_bwd_finish_dq[grid](dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale, HEAD_DIM=D,
                                                      ROWS=rows)
     torch.testing.assert_close(dq, (dq_acc[:, :Tq] * scale).half().reshape(B, H, Tq, D))
     # and from a buffer of the rows alone (MoBA's, one row per query), through the launcher
     dq_acc = torch.randn(B * H * Tq, D)
-    triton_hopper_backward.finish_dq(dq_acc, dq, Tq, scale)
+    hopper_backward.finish_dq(dq_acc, dq, Tq, scale)
     torch.testing.assert_close(dq, (dq_acc * scale).half().reshape(B, H, Tq, D))
 
 
@@ -112,18 +117,18 @@ def test_hopper_mode_1_takes_the_first_tile_and_determinism_keeps_the_tl_kernels
     # in any order, so where determinism is asked for it must not run
     ran = []
 
-    def hopper_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None):
+    def backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None):
         ran.append(tile)
         raise AssertionError("the Hopper backward ran")
 
-    monkeypatch.setattr(triton_hopper_backward, "supports", lambda *args, **kwargs: True)
-    monkeypatch.setattr(triton_hopper_backward, "backward", hopper_backward)
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(hopper_backward, "backward_supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(hopper_backward, "backward", backward)
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     q, k, v = qkv(Tq=37, Tk=37, D=64, dtype=torch.float16)
     do = torch.randn_like(q)
     with pytest.raises(AssertionError, match="Hopper backward ran"):  # the switch works...
         out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
-    assert ran == [triton_hopper_backward.TILES[64][0]]  # empty_bthd's gradients: every tile can write them
+    assert ran == [shapes.BACKWARD_TILES[64][0]]  # empty_bthd's gradients: every tile can write them
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # ...and steps aside
     out, *grads = out_and_grads(lambda *t: attention(*t, True, backend="triton"), q, k, v, do)
     assert len(ran) == 1 and all(torch.isfinite(g).all() for g in grads)
@@ -145,10 +150,10 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
     q, k, v = qkv(B, Hq, Hkv, Tq, Tk, head_dim, dtype, device="cuda")
     do = torch.randn_like(q)
     scale = head_dim ** -0.5
-    o, lse = triton_dispatch.forward(q, k, v, causal, scale)
+    o, lse = dispatch.forward(q, k, v, causal, scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]  # an element the kernel skips stays NaN
-    assert triton_hopper_backward.supports(q, k, v, o, do, grads, dense=True)
-    triton_hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, tile)
+    assert hopper_backward.backward_supports(q, k, v, o, do, grads, dense=True)
+    hopper_backward.backward(do, q, k, v, o, lse, *grads, causal, scale, tile)
     naive = lambda *t: attention(*t, causal, scale, backend="naive")  # noqa: E731
     exact = out_and_grads(naive, q.double(), k.double(), v.double(), do.double())[1:]
     math = out_and_grads(naive, q, k, v, do)[1:]
@@ -156,7 +161,7 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, tile", [(d, tile) for d, tiles in triton_hopper_backward.TILES.items()
+@pytest.mark.parametrize("head_dim, tile", [(d, tile) for d, tiles in shapes.BACKWARD_TILES.items()
                                             for tile in tiles])
 @pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
 def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
@@ -164,19 +169,19 @@ def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", triton_hopper_backward.TILES[64])
+@pytest.mark.parametrize("tile", shapes.BACKWARD_TILES[64])
 def test_head_groups_cover_every_head(monkeypatch, tile):
     # 8 (batch, kv head)s with 2 query heads each, 1024 padded rows of hs=64: 512 KB of dQ per kv head; a budget of
     # three makes groups of 3, 3 and 2 (the last one smaller)
-    monkeypatch.setattr(triton_hopper_backward, "DQ_GROUP_BYTES", 3 * 2 * 1024 * 64 * 4)
+    monkeypatch.setattr(hopper_backward, "DQ_GROUP_BYTES", 3 * 2 * 1024 * 64 * 4)
     check_against_fp64(torch.bfloat16, True, 2, 8, 4, 1000, 1000, 64, tile)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", sorted(triton_hopper_backward.TILES))
+@pytest.mark.parametrize("head_dim", sorted(shapes.BACKWARD_TILES))
 def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
     # NANOFLASH_HOPPER=1: both Hopper kernels wherever they run, through the autograd op
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(2, 12, 12, 1024, 1024, head_dim, torch.bfloat16, device="cuda"), causal=True)
 
@@ -184,7 +189,7 @@ def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
 @pytest.mark.gpu
 def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
     # both Hopper kernels' plans (descriptor templates re-aimed at each call's tensors), on fresh values each call
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
     for _ in range(3):
@@ -195,13 +200,13 @@ def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
 @pytest.mark.gpu
 def test_launch_plans_keep_no_tensor_alive(monkeypatch):
     # a plan's descriptors are templates: the first call's q, k, v, dO and the backward's buffers are freed with it
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     q, k, v = (t.requires_grad_() for t in qkv(2, 4, 4, 1024, 1024, 64, torch.bfloat16, device="cuda"))
     grads = torch.autograd.grad(attention(q, k, v, True, backend="triton"), (q, k, v), torch.randn_like(q))
-    assert len(triton_dispatch._plans) == 2
+    assert len(dispatch._plans) == 2
     del q, k, v, grads
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == allocated
@@ -209,7 +214,7 @@ def test_launch_plans_keep_no_tensor_alive(monkeypatch):
 
 @pytest.mark.gpu
 def test_deterministic_algorithms_give_bit_identical_gradients(monkeypatch):
-    monkeypatch.setattr(triton_dispatch, "HOPPER_MODE", "1")
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(0)
     q, k, v = qkv(2, 8, 2, 4096, 4096, 64, torch.bfloat16, device="cuda")
     do = torch.randn_like(q)

@@ -1,6 +1,6 @@
-"""MoBA (attention/moba.py) in Triton's `tl`: each query attends only to the key blocks it selected (§11 of
+"""MoBA (attention/moba/reference.py) in Triton's `tl`: each query attends only to the key blocks it selected (§11 of
 docs/flash_attention.md). These kernels run on every GPU and in the CPU interpreter; on an sm_90 GPU
-triton_moba_op.py runs triton_moba_hopper.py instead, which shares the router and the merge.
+moba/op.py runs moba/hopper.py instead, which shares the router and the merge.
 
 Queries next to each other select different blocks, so a tile of consecutive queries would have to
 visit the union of their selections, which for a long sequence is nearly every block. Instead the
@@ -10,7 +10,7 @@ queries to that block. A query's topk + 1 blocks are handled by different progra
 partial result (output and log-sum-exp, §4) in the query's slot; a merge by log-sum-exp combines
 them, the same rescaling as the online softmax (§2), done once across slots instead of per tile.
 
-Kernels (reusing the dense kernels' tile functions from triton_flash.py):
+Kernels (reusing the dense kernels' tile functions from flash/tl_forward.py):
   _moba_gate       the router: block scores and top-k for a tile of queries (moba_select, fused)
   _moba_fwd        a program per (key block, tile of its entries): partial out + lse per entry
   _moba_merge      a query's slots combined by log-sum-exp (dQ: summed), through a table of rows
@@ -30,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dispatch import empty_bthd
-from .triton_flash import LN2, LOG2E, dkdv_tile, dq_tile, fwd_tile, head_base, key_ranges, load_rows, store_rows
-from .triton_tuner import tuned_launch
+from ..flash.dispatch import empty_bthd
+from ..flash.tl_backward import dkdv_tile, dq_tile
+from ..flash.tl_forward import fwd_tile
+from ..flash.tl_tiles import LN2, LOG2E, head_base, key_ranges, load_rows, store_rows
+from ..flash.tuner import tuned_launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +372,7 @@ GATE_MAX_BLOCKS = 256  # a row of scores per query stays in registers up to this
 
 @torch.no_grad()
 def moba_gate(q: torch.Tensor, means: torch.Tensor, block_size: int, topk: int) -> torch.Tensor:
-    """moba_select (attention/moba.py) with the scoring and top-k fused in one kernel (_moba_gate): the same
+    """moba_select (attention/moba/reference.py) with the scoring and top-k fused in one kernel (_moba_gate): the same
     selection from the blocks' mean keys, means (B, Hkv, n_blocks, D), without the (B, Hq, T, n_blocks) score tensor
     in memory. For at most GATE_MAX_BLOCKS blocks."""
     B, H, T, D = q.shape

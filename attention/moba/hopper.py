@@ -1,4 +1,4 @@
-"""MoBA (attention/moba.py, §11) on the warp-specialized Hopper kernels (§12, §13): every entry, a query and one
+"""MoBA (attention/moba/reference.py, §11) on the warp-specialized Hopper kernels (§12, §13): every entry, a query and one
 block it reads, becomes a row of one cross-attention problem whose rows and keys see each other through spans
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
@@ -9,7 +9,7 @@ block it reads, becomes a row of one cross-attention problem whose rows and keys
 The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries block by block:
 for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's heads side by
 side), then every entry that chose it as a past block, padded to a whole forward tile. The kernels' producer warps
-read each row from its query's row of q (and of dO in the backward; triton_hopper.gather_rows), so that no gathered
+read each row from its query's row of q (and of dO in the backward; gather_rows), so that no gathered
 copy of either is made. A row's span
 is the keys it sees: its block, and for an own entry the block up to the query. A key's span is the rows that see
 it: from the own rows of its query on to the segment's end, one interval, so the backward needs nothing else.
@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_hopper, triton_hopper_backward
-from .triton_dispatch import empty_bthd
-from .triton_moba import merge_slots
+from ..flash.hopper import backward as hopper_backward
+from ..flash.hopper import forward as hopper_forward
+from ..flash.dispatch import empty_bthd
+from .tl_kernels import merge_slots
 
-ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, triton_hopper.document_tiles): a segment's start
+ROW_TILE = 128  # the forward's query tile (two consumers of 64 rows, document_tiles): a segment's start
 
 
 def layout_rows(B: int, Hq: int, Hkv: int, T: int, S: int, block_size: int) -> int:
@@ -108,7 +109,7 @@ def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[to
     device = selection.device
     # per kv head a segment per block: its own entries (run 2n), then its past ones (run 2n + 1). The sort is stable,
     # so each run keeps the (query, head of the group) order, and sorts the small run numbers, not entry-unique keys
-    # (triton_moba.entry_lists)
+    # (tl_kernels.entry_lists)
     run = torch.empty(R, n_entries, dtype=torch.int16 if 2 * n_blocks < 2**15 else torch.int32, device=device)
     grid = (triton.cdiv(n_entries, ENTRY_BLOCK), R)
     _entry_runs[grid](selection, run, T, G, n_blocks, S=S, BLOCK=ENTRY_BLOCK)
@@ -144,15 +145,15 @@ def key_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def runs_on(q: torch.Tensor) -> bool:
-    """Whether MoBA runs on the Hopper kernels: where they run (triton_hopper.runs_on), and not where determinism
+    """Whether MoBA runs on the Hopper kernels: where they run (hopper_forward.runs_on), and not where determinism
     was asked for (the backward adds dQ in any order, §13)."""
-    return triton_hopper.runs_on(q) and not torch.are_deterministic_algorithms_enabled()
+    return hopper_forward.runs_on(q) and not torch.are_deterministic_algorithms_enabled()
 
 
 def copyable_rows(t: torch.Tensor) -> torch.Tensor:
-    """t, or a contiguous copy where the producers cannot copy its rows in 16-byte pieces (triton_hopper.tma_can_read's
+    """t, or a contiguous copy where the producers cannot copy its rows in 16-byte pieces (hopper_forward.tma_can_read's
     rule, which tensors from a model's projections pass)."""
-    return t if triton_hopper.tma_can_read(t) else t.contiguous()
+    return t if hopper_forward.tma_can_read(t) else t.contiguous()
 
 
 # §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md section 11): at hs=128 the
@@ -170,7 +171,7 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     o_rows = q.new_empty(1, 1, src.shape[0], D)
     lse_rows = torch.empty(1, 1, src.shape[0], dtype=torch.float32, device=q.device)
     # §11 the rows' attention to their blocks (not causal: the own rows' spans end at their query)
-    triton_hopper.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D], (row_spans, None),
+    hopper_forward.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D], (row_spans, None),
                           row_src=src)
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -188,8 +189,8 @@ def backward(do, q, k, v, o, lse, src, key_spans, scale: float):
     # each row adds its dS K into its query's row (src numbers them); programs go key block by key block, so the
     # rows of the head being worked on meet in L2
     dq_acc = torch.zeros(B * Hq * T, D, dtype=torch.float32, device=q.device)
-    triton_hopper_backward.backward(do, q, *key_rows(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
+    hopper_backward.backward(do, q, *key_rows(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
                                     BACKWARD_TILES[D], (key_spans, None), gathered=(src, dq_acc))
     dq = empty_bthd(B, Hq, T, D, q)
-    triton_hopper_backward.finish_dq(dq_acc, dq, T, scale)
+    hopper_backward.finish_dq(dq_acc, dq, T, scale)
     return dq, dk, dv

@@ -1,16 +1,16 @@
-"""The Triton FlashAttention kernels (triton_dispatch.py runs them) as PyTorch operators and autograd: the "triton"
+"""The Triton FlashAttention kernels (dispatch.py runs them) as PyTorch operators and autograd: the "triton"
 backend of attention/registry.py.
 
 nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake (meta)
 implementations (ops.py), so torch.compile(fullgraph=True) traces straight through them without a
 graph break; FlashAttentionFunction wires the backward op to the forward for autograd.
 
-    from attention.triton_op import flash_attention
+    from attention.autograd import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
-same ops as optional arguments (triton_dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
-calls (§14, attention_varlen): their cu_seqlens and longest lengths (triton_dispatch.Varlen).
+same ops as optional arguments (dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
+calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
@@ -18,11 +18,11 @@ three gradients into one tensor of that shape.
 """
 import torch
 
-from . import triton_dispatch
-from .inputs import check_qkv, unpack_qkv
+from . import dispatch
+from ..inputs import check_qkv, unpack_qkv
 from .ops import define_op
-from .block_mask import sequence_spans
-from .triton_support import check_triton_support, is_hopper
+from ..block_mask import sequence_spans
+from .device import check_triton_support, is_hopper
 
 # The arguments every op takes after (causal, scale): MaskArgs and Varlen flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
@@ -35,12 +35,12 @@ def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None,
                max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    varlen = None if cu_seqlens_q is None else triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                       max_seqlen_k)
-    return triton_dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
+    return dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
 
 
-def _flat(mask: triton_dispatch.MaskArgs, varlen: triton_dispatch.Varlen | None = None) -> tuple:
+def _flat(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
             mask.spans, *(varlen or (None, None, 0, 0)))
@@ -48,7 +48,7 @@ def _flat(mask: triton_dispatch.MaskArgs, varlen: triton_dispatch.Varlen | None 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
     mask, varlen = _mask_args(*mask)
-    return triton_dispatch.forward(q, k, v, causal, scale, mask, varlen)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen)
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
@@ -56,7 +56,7 @@ def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     if _mask_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
         return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     B, Hq, Tq, D = q.shape
-    return triton_dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+    return dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
 
 flash_attn_fwd = define_op(
@@ -66,13 +66,13 @@ flash_attn_fwd = define_op(
 
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
     mask, varlen = _mask_args(*mask)
-    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
+    return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
     if _mask_args(*mask)[1] is not None:
         return tuple(t.new_empty(t.shape) for t in (q, k, v))
-    return tuple(triton_dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
+    return tuple(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
 
 
 flash_attn_bwd = define_op(
@@ -95,34 +95,34 @@ flash_attn_bwd_qkvpacked = define_op(
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
-def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs) -> torch.Tensor:
+def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs) -> torch.Tensor:
     """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
     dqkv = qkv.new_empty(qkv.shape)
-    triton_dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
+    dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
     return dqkv
 
 
-def _fwd(q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
+def _fwd(q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
     # Under torch.compile the op keeps the kernel one opaque node with a fake impl. In eager mode the
     # launcher is called directly, without the dispatcher's round trip: at small shapes every microsecond
     # of host time per call shows (benchmarks/launch_overhead.py).
     if torch.compiler.is_compiling():
         return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask, varlen))
-    return triton_dispatch.forward(q, k, v, causal, scale, mask, varlen)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen)
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
+def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
     if torch.compiler.is_compiling():  # as in _fwd
         return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask, varlen))
-    return triton_dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
+    return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd for the kernels; torch.compile traces through it to the ops. varlen: a
-    triton_dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14)."""
+    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, mask: triton_dispatch.MaskArgs, varlen=None):
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
         o, lse = _fwd(q, k, v, causal, scale, mask, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
@@ -144,7 +144,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     gradient directly."""
 
     @staticmethod
-    def forward(ctx, qkv, causal: bool, scale: float, mask: triton_dispatch.MaskArgs):
+    def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs):
         o, lse = _fwd(*unpack_qkv(qkv), causal, scale, mask)
         ctx.save_for_backward(qkv, o, lse)
         ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
@@ -162,15 +162,15 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
         return dqkv, None, None, None
 
 
-def kernel_mask_args(mask) -> triton_dispatch.MaskArgs:
+def kernel_mask_args(mask) -> dispatch.MaskArgs:
     """A BlockMask as the kernels' arguments (the block lists, and on Hopper the documents' spans, are built once per
     BlockMask and cached)."""
     if mask is None:
-        return triton_dispatch.DENSE
+        return dispatch.DENSE
     docs = mask.document_ids
     # §14 documents alone (causal or not) the Hopper kernels keep to themselves, from each position's span
     spans = mask.document_spans() if mask.only_documents() and is_hopper(docs.device) else None
-    return triton_dispatch.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
+    return dispatch.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
                                  docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size, spans)
 
 
@@ -217,12 +217,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     """attention_varlen's triton backend (§14), on inputs attention/varlen.py has checked: q (total_q, Hq, D), k, v
     (total_k, Hkv, D), cu_seqlens int32 on their device. -> (total_q, Hq, D)."""
     check_triton_support(q)
-    varlen = triton_dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
     # the warp-specialized kernels may run it, from each row's span
     spans = None
     if (window is None and cu_seqlens_q is cu_seqlens_k and q.shape[0] == k.shape[0]
             and max_seqlen_q == max_seqlen_k and is_hopper(q.device)):
         spans = sequence_spans(cu_seqlens_q, q.shape[0])
-    mask = triton_dispatch.MaskArgs(window=window, spans=spans)
+    mask = dispatch.MaskArgs(window=window, spans=spans)
     return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]

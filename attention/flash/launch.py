@@ -14,7 +14,7 @@ cache. Floats (the softmax scale) are never specialised and stay out of the key.
 no compiled kernel to keep: every call goes through kernel[grid].
 
 Working out the key still costs host time (~45 arguments, descriptors among them). A caller that already knows its
-next calls specialise as this one did (triton_dispatch's launch plans: same shapes, strides, dtype and alignment) skips
+next calls specialise as this one did (dispatch.py's launch plans: same shapes, strides, dtype and alignment) skips
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key.
 """
 from collections.abc import Callable
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_support import INTERPRET
+from .device import INTERPRET
 
 _PLAIN = (int, str, type(None))  # arguments that are their own key (not bool: True == 1 in a key, not to Triton)
 MAX_KEYS = 4096  # forget every kept launch past this many (a run over ever-new shapes); each costs one bind again

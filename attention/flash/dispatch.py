@@ -4,9 +4,9 @@
     dq, dk, dv = backward(do, q, k, v, o, lse, causal, scale)
     o, lse = forward(q, k, v, causal, scale, mask, varlen)   # varlen (§14): q (total_q, Hq, D), k, v (total_k, Hkv, D)
 
-Which kernels run: on Hopper the tuner (triton_tuner.py, §9) times the `tl` forward (triton_flash.py) against the
-warp-specialized one (triton_hopper.py, §12), and the two `tl` backward kernels against the warp-specialized backward
-(triton_hopper_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels run.
+Which kernels run: on Hopper the tuner (flash/tuner.py, §9) times the `tl` forward (flash/tl_forward.py) against the
+warp-specialized one (flash/hopper/gluon_forward.py, §12), and the two `tl` backward kernels against the warp-specialized backward
+(flash/hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels run.
 NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
 NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
 
@@ -16,7 +16,6 @@ eligibility checks, the tuner, launch.py's keys over every argument) and leaves 
 scale): its launches with everything else worked out. Later calls of the key run the plan: at small shapes the whole
 path costs more host time than the kernels take on the GPU (docs/perf_notes.md, "Host time").
 """
-import functools
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -24,11 +23,14 @@ from typing import NamedTuple
 import torch
 import triton
 
-from . import triton_hopper, triton_hopper_backward
+from .hopper import backward as hopper_backward
+from .hopper import forward as hopper_forward
+from .hopper.shapes import FORWARD_TILES, document_tiles
 from .launch import remember
-from .triton_flash import attn_bwd_dkdv, attn_bwd_dq, attn_fwd
-from .triton_support import INTERPRET, has_tma
-from .triton_tuner import backward_choice, tuned_launch, use_scratch_allocator
+from .tl_backward import attn_bwd_dkdv, attn_bwd_dq
+from .tl_forward import attn_fwd
+from .device import INTERPRET, has_tma
+from .tuner import backward_choice, tuned_launch, use_scratch_allocator
 
 TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
 HOPPER_MODE = os.environ.get("NANOFLASH_HOPPER", "auto")
@@ -66,12 +68,12 @@ def use_tma(*tensors: torch.Tensor) -> bool:
     16-byte aligned. Other layouts take the pointer loads, which read any strides."""
     if TMA_MODE != "1" or not (INTERPRET or has_tma(tensors[0].device)):
         return False
-    return triton_hopper.tma_can_read(*tensors)
+    return hopper_forward.tma_can_read(*tensors)
 
 
 class MaskArgs(NamedTuple):
     """A block-sparse call's mask as plain tensors and numbers (§10); all None for dense attention.
-    attention/block_mask.py builds them; the PyTorch op (triton_op.py) passes them through."""
+    attention/block_mask.py builds them; the PyTorch op (flash/autograd.py) passes them through."""
     kv_blocks: torch.Tensor | None = None  # (Bm, Hm, n_q_blocks, 2 + 2 n_kv_blocks) int32, forward and dQ
     q_blocks: torch.Tensor | None = None  # (Bm, Hm, n_kv_blocks, 2 + 2 n_q_blocks) int32, dK/dV
     window: tuple[int, int] | None = None  # (left, right), -1 = unbounded
@@ -221,11 +223,11 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     documents = _hopper_documents(mask, varlen)
     call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
     if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
-            and triton_hopper.supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
-        tiles = triton_hopper.TILES[D] if documents is None else triton_hopper.document_tiles(D)
+            and hopper_forward.forward_supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
+        tiles = FORWARD_TILES[D] if documents is None else document_tiles(D)
         if HOPPER_MODE == "1":
-            return triton_hopper.forward(*call, causal, scale, tiles[0], documents).again  # (documents: no plan kept)
-        hopper = (tiles, lambda tile: triton_hopper.forward(*call, causal, scale, tile, documents),
+            return hopper_forward.forward(*call, causal, scale, tiles[0], documents).again  # (documents: no plan kept)
+        hopper = (tiles, lambda tile: hopper_forward.forward(*call, causal, scale, tile, documents),
                   (*call, scale, documents))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
@@ -247,7 +249,7 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, varlen: Varlen | None = None):
     """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
-    one packed gradient, see triton_op.py), by default new ones."""
+    one packed gradient, see flash/autograd.py), by default new ones."""
     if grads is not None:
         dq, dk, dv = grads
     elif varlen is None:
@@ -276,14 +278,14 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
     if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
             and not torch.are_deterministic_algorithms_enabled()
-            and triton_hopper_backward.supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
+            and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
         def hopper(tile):  # -> its Launched: a dense call's again is its plan; with documents (no plan kept,
-            launched = triton_hopper_backward.backward(*call, causal, scale, tile, documents)  # _plan_key) this call
+            launched = hopper_backward.backward(*call, causal, scale, tile, documents)  # _plan_key) this call
             if documents is None:
                 return launched
             return launched._replace(again=lambda *_: launched.again(*call, scale, documents))
-        tiles = triton_hopper_backward.tiles(D, *batch_grads[1:])
+        tiles = hopper_backward.backward_tiles(D, *batch_grads[1:])
         if HOPPER_MODE == "1":
             tile = tiles[0]
         else:

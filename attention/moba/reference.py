@@ -15,10 +15,10 @@ gradient flows through the attention over the chosen keys.
 import torch
 import torch.nn.functional as F
 
-from .compiled import compiled_attention
-from .masks import causal_mask
-from .naive import naive_attention
-from .inputs import check_qkv
+from ..reference.compiled import compiled_attention
+from ..masks import causal_mask
+from ..reference.naive import naive_attention
+from ..inputs import check_qkv
 
 # Dense references of the same selection, for tests and for machines without the kernel
 REFERENCE_BACKENDS = ("naive", "compile", "sdpa")
@@ -77,7 +77,7 @@ def moba_select(q: torch.Tensor, k: torch.Tensor, block_size: int, topk: int) ->
     past = torch.arange(n_blocks, device=q.device)[None, :] < own[:, None]  # (T, n_blocks)
     scores = scores.masked_fill(~past, float("-inf"))
     # top-k by repeated argmax (k is a few, n_blocks tens): the procedure of the fused gate
-    # (triton_moba.py:_moba_gate), so both pick the same blocks, ties going to the lower index
+    # (moba/tl_kernels.py:_moba_gate), so both pick the same blocks, ties going to the lower index
     chosen = []
     for _ in range(topk):
         best = scores.argmax(-1, keepdim=True)  # (B, Hq, T, 1)
@@ -124,9 +124,9 @@ def moba_backend(q, k, v, causal: bool, scale: float, moba_block: int = 512, mob
     check_same_length(q, k)
     if backend == "triton":
         # imported on first use, as in registry.py: Triton fixes its interpreter mode at import
-        from .triton_moba import GATE_MAX_BLOCKS, moba_gate
-        from .triton_moba_op import moba_triton
-        from .triton_support import check_triton_support
+        from .tl_kernels import GATE_MAX_BLOCKS, moba_gate
+        from .op import moba_triton
+        from ..flash.device import check_triton_support
 
         check_triton_support(q)
         if -(-q.shape[2] // moba_block) > GATE_MAX_BLOCKS:  # very long sequences: the unfused router

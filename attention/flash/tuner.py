@@ -1,51 +1,35 @@
 """The tile each kernel runs with (§9): candidates by head dim, timed on a kernel's first call of a shape, the
-fastest kept for every later call of that shape's key.
+fastest kept for every later call of that shape's key, in this process and on disk for every later one.
 
-    choice, launched = tuned_launch("fwd", triton_flash.attn_fwd, grid_of_tile, args, constants, Tq, Tk, dtype)
+    choice, launched = tuned_launch("fwd", tl_forward.attn_fwd, grid_of_tile, args, constants, Tq, Tk, dtype)
 
-Tiles are (BLOCK_M, BLOCK_N, num_warps, num_stages): BLOCK_M counts query rows, BLOCK_N key rows. On Hopper the
-forward's candidates include the warp-specialized kernel's tiles (triton_hopper.py, §12), and the backward's choice is
-between the two `tl` kernels and the warp-specialized backward (triton_hopper_backward.py, §13): backward_choice.
-NANOFLASH_AUTOTUNE=0 takes the first candidate that fits instead of timing (quick tests).
+The `tl` kernels' tiles are tiles.TlTile. On Hopper the forward's candidates include the warp-specialized kernel's
+tiles (hopper/shapes.HopperForwardTile, §12), and the backward's choice is between the two `tl` kernels and the
+warp-specialized backward (HopperBackwardTile, §13): backward_choice.
+
+Choices persist (tuning_store.py): a key timed once on a GPU model, Triton version and package version is read back
+by every later process, and the repository ships the choices for the H100 and the H200 (tuned/), so a first run there
+times nothing. NANOFLASH_AUTOTUNE=0 takes the first candidate that fits instead of timing or reading choices (quick
+tests).
 """
 import functools
 import os
 import statistics
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..version import __version__
+from .device import INTERPRET
+from .hopper.shapes import HopperBackwardTile, HopperForwardTile
 from .launch import Launched, launch
-from .triton_support import INTERPRET
+from .tiles import TlTile, candidate_tiles
+from .tuning_store import TuningStore
 
-# Candidates by head dim padded to a power of two; the first is the one taken when tuning is off. Larger heads leave
-# room for fewer rows. The lists serve dense and block-sparse calls (§10): long dense rows pick the large tiles, the
-# short rows of a window or of documents the small ones.
-HOPPER_TILES = {
-    "fwd": {
-        64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
-        256: [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 32, 4, 1)],
-    },
-    # dK/dV keeps two fp32 (BLOCK_N, D) accumulators: wide heads want more warps to hold them
-    "dkdv": {
-        64: [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
-        128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)],
-        256: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
-    },
-    "dq": {
-        64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 2)],
-        128: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)],
-        256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 32, 4, 1)],
-    },
-}
-# Under the interpreter there is nothing to tune: one small tile, unequal in M and N so the CPU tests cover tiles
-# that straddle the causal diagonal at different offsets.
-INTERPRETER_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
-# Hopper has 227 KiB of shared memory per block; leave room for Triton's own scratch buffers.
-SMEM_BUDGET = 200 * 1024
+SHIPPED_CHOICES = Path(__file__).parent / "tuned"  # benchmarks/tune.py writes them on each GPU model
 
 # How a candidate is timed (docs/perf_notes.md, "How we measure" and "The tuner"):
 # - Its launch as a plan will repeat it (launch.py's `again`), not the whole first-call path: that path's host time
@@ -57,36 +41,6 @@ SMEM_BUDGET = 200 * 1024
 # - In ROUNDS rounds, the order rotating, its time the median of its rounds: timed once each in a fixed order, a
 #   candidate's time depends on the one before it.
 HEAT_MS, WARMUP_MS, REP_MS, ROUNDS = 100, 50, 25, 3
-
-
-def head_dim_class(block_d: int) -> int:
-    # heads of 16 and 32 take the 64 tiles: their tiles are small whatever the row counts
-    return max(64, block_d)
-
-
-def smem_bytes(kernel: str, tile: tuple, block_d: int, elem_bytes: int) -> int:
-    """Shared memory a tile config needs: the tiles a program holds plus num_stages copies of the
-    tiles it streams (software pipelining keeps that many loads in flight)."""
-    block_m, block_n, _, stages = tile
-    held, streamed = {
-        "fwd": (block_m, 2 * block_n),  # holds Q; streams K, V
-        "dq": (2 * block_m, 2 * block_n),  # holds Q, dO; streams K, V
-        "dkdv": (2 * block_n, 2 * block_m),  # holds K, V; streams Q, dO
-    }[kernel]
-    return (held + stages * streamed) * block_d * elem_bytes
-
-
-def candidate_tiles(kernel: str, block_d: int, elem_bytes: int, mask_block: int | None = None) -> list[tuple]:
-    """The tiles worth timing for one call: its head-dim class's candidates that fit in shared memory for this
-    dtype, in table order (2-4 of them, so first-call tuning stays short), and for a block-sparse call (§10) that
-    divide the mask's blocks, which the kernels walk tile by tile."""
-    tiles = [INTERPRETER_TILES[kernel]] if INTERPRET else HOPPER_TILES[kernel][head_dim_class(block_d)]
-    kept = [tile for tile in tiles if smem_bytes(kernel, tile, block_d, elem_bytes) <= SMEM_BUDGET
-            and (mask_block is None or mask_block % tile[0] == 0 and mask_block % tile[1] == 0)]
-    if not kept:
-        raise ValueError(f"a block mask with block_size={mask_block} is smaller than every {kernel} tile of the "
-                         f"kernel for head_dim {block_d}; build the BlockMask with block_size=64 (the default)")
-    return kept
 
 
 class TuningKey(NamedTuple):
@@ -113,9 +67,10 @@ class BackwardKey(NamedTuple):
     tiles: tuple
 
 
-# tuning key -> the fastest (tile, variant); backward key -> None (the `tl` kernels) or the Hopper kernel's tile
-best_tile: dict[TuningKey, tuple] = {}
-best_backward: dict[BackwardKey, tuple | None] = {}
+# tuning key -> the fastest (tile, variant), variant "hopper" for §12's kernel, else the `tl` kernel's TMA switch;
+# backward key -> None (the `tl` kernels) or the Hopper kernel's tile
+best_tile: dict[TuningKey, tuple[TlTile | HopperForwardTile, str | None]] = {}
+best_backward: dict[BackwardKey, HopperBackwardTile | None] = {}
 # a list to append each tuning's timings to (benchmarks/train_step.py reads it), or None
 tuning_log: list | None = None
 
@@ -124,13 +79,36 @@ def tuning_enabled() -> bool:
     return os.environ.get("NANOFLASH_AUTOTUNE", "1") != "0" and not INTERPRET
 
 
+@functools.cache
+def choices_store(device: int) -> TuningStore:
+    """The choices kept on disk for this GPU model (tuning_store.py), opened on the first key a process tunes."""
+    return TuningStore.open(gpu=torch.cuda.get_device_name(device), triton=triton.__version__, package=__version__,
+                            shipped_dir=SHIPPED_CHOICES)
+
+
+def _stored_choice(key: tuple, candidates: list):
+    """The choice kept on disk for key if it is still one of the candidates (a stored tile a newer table dropped is
+    timed anew), else None; JSON holds a tile as a list, so each candidate is compared in that form."""
+    stored = choices_store(torch.cuda.current_device()).get(repr(key))
+    return next((choice for choice in candidates if _as_json(choice) == stored), None)
+
+
+def _as_json(choice):
+    """A choice as tuning_store keeps it: tuples (tiles are named tuples) as lists, all the way down."""
+    return [_as_json(part) for part in choice] if isinstance(choice, tuple) else choice
+
+
+def _keep(key: tuple, choice) -> None:
+    choices_store(torch.cuda.current_device()).put(repr(key), _as_json(choice))
+
+
 def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,
                  block: int | None = None, loads: tuple[str, ...] | None = None, hopper=None) -> tuple[tuple, Launched]:
     """Launch jit_fn with the fastest tile for this call's key, timing the candidates on the key's first call.
     -> the choice, (tile, variant), and its Launched (launch.py), whose `again` takes jit_fn's arguments, or for the
     Hopper kernel what its launch's `again` takes.
     args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists are cut in
-    tiles, triton_moba.py). block: a size the tiles must divide (§10, §11). loads: the settings of the kernel's TMA
+    tiles, moba/tl_kernels.py). block: a size the tiles must divide (§10, §11). loads: the settings of the kernel's TMA
     switch to time with every tile, "tma" (descriptor loads) and "pointers", or only "pointers" where descriptors
     cannot read the tensors; None for a kernel without the switch. hopper: (tiles, launch, call) of the
     warp-specialized forward (§12) where it can run the call, timed beside jit_fn's tiles; launch(tile) runs it and
@@ -148,15 +126,14 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
         tile, variant = choice
         if variant == "hopper":
             return hopper[1](tile)
-        block_m, block_n, warps, stages = tile
         switch = {} if variant is None else {"TMA": variant == "tma"}
-        return launch(jit_fn, grid_of_tile(block_m, block_n), args_of(block_m), **constants, **switch,
-                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        return launch(jit_fn, grid_of_tile(tile.block_m, tile.block_n), args_of(tile.block_m), **constants, **switch,
+                      BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.warps, num_stages=tile.stages)
 
     def repeated(choice):
         """run(choice), then -> a function that launches it again as a plan will (what the tuner times)"""
         tile, variant = choice
-        return functools.partial(run(choice).again, *(hopper[2] if variant == "hopper" else args_of(tile[0])))
+        return functools.partial(run(choice).again, *(hopper[2] if variant == "hopper" else args_of(tile.block_m)))
 
     key = TuningKey(kernel, tuple(constants.items()), loads, hopper is not None, dtype,
                     triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
@@ -172,9 +149,12 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
         choice, launched = first_that_fits(candidates, run)  # launched: this call is done
         best_tile[key] = choice
         return choice, launched
+    choice = best_tile[key] = _stored_choice(key, candidates)
+    if choice is not None:
+        return choice, run(choice)
     times = timed({choice: functools.partial(repeated, choice) for choice in candidates})
-    choice = min(times, key=times.get)
-    best_tile[key] = choice
+    choice = best_tile[key] = min(times, key=times.get)
+    _keep(key, choice)
     launched = run(choice)
     if tuning_log is not None:  # with what the compiler made of the chosen tile
         tuning_log.append(dict(kernel=kernel, constants=constants, Tq=Tq, Tk=Tk, times_ms=times,
@@ -183,24 +163,31 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
     return choice, launched
 
 
-def backward_choice(tl_backward, hopper_backward, tiles: list[tuple], head_dim: int, causal: bool, documents: bool,
-                    dtype, Tq: int, Tk: int, call: tuple) -> tuple | None:
+def backward_choice(tl_backward, hopper_backward, tiles: list[HopperBackwardTile], head_dim: int, causal: bool,
+                    documents: bool, dtype, Tq: int, Tk: int, call: tuple) -> HopperBackwardTile | None:
     """The backward for these sizes: None for the `tl` kernels (each with its own tuned tile, tuned_launch), or the
     Hopper kernel's tile. On the key's first call the candidates are timed, each run writing the gradients, which the
     caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(tile) -> the Hopper kernel's
     Launched; both plans take call."""
     key = BackwardKey(head_dim, causal, documents, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk),
                       tuple(tiles))
-    if key not in best_backward:
-        if not tuning_enabled():
-            best_backward[key] = None
-        else:
-            # timed as their plans (the `tl` kernels' first run tunes their tiles, so their time is the tuned one)
-            times = timed({None: lambda: functools.partial(tl_backward(), *call),
-                           **{t: lambda t=t: functools.partial(hopper_backward(t).again, *call) for t in tiles}})
-            best_backward[key] = min(times, key=times.get)
-            if tuning_log is not None:
-                tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))
+    if key in best_backward:
+        return best_backward[key]
+    if not tuning_enabled():
+        best_backward[key] = None
+        return None
+    # the `tl` pair is kept on disk as "tl" (a missing key reads None)
+    candidates = ["tl", *tiles]
+    choice = _stored_choice(key, candidates)
+    if choice is None:
+        # timed as their plans (the `tl` kernels' first run tunes their tiles, so their time is the tuned one)
+        times = timed({"tl": lambda: functools.partial(tl_backward(), *call),
+                       **{t: lambda t=t: functools.partial(hopper_backward(t).again, *call) for t in tiles}})
+        choice = min(times, key=times.get)
+        _keep(key, choice)
+        if tuning_log is not None:
+            tuning_log.append(dict(kernel="bwd", key=key, times_ms=times))
+    best_backward[key] = None if choice == "tl" else choice
     return best_backward[key]
 
 

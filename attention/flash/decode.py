@@ -2,7 +2,7 @@
 
 Decoding (split-K)
 ------------------
-A decode step has Tq = 1. The forward kernel of triton_flash.py would give each (batch, head) one
+A decode step has Tq = 1. The forward kernel of flash/tl_forward.py would give each (batch, head) one
 program holding a BLOCK_M-row query tile with a single real row: B*Hq programs (12 for GPT-2 at
 B=1) on a GPU with 132 SMs, each walking the whole cache alone. Decoding is a read of the cache,
 so its speed is memory bandwidth, and a few SMs cannot draw much of it. So we split the *keys*:
@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_flash import LOG2E, head_base, load_rows
-from .triton_support import INTERPRET, sm_count
-from .triton_tuner import SMEM_BUDGET, smem_bytes
+from .tl_tiles import LOG2E, head_base, load_rows
+from .device import INTERPRET, sm_count
+from .tiles import SMEM_BUDGET, smem_bytes
 
 # Launch shape on the GPU. One query row per head makes the program short on math: 4 warps are
 # plenty, and 2 stages keep the next K/V tile's load in flight. Key tiles: the largest of these
@@ -170,7 +170,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_
         0 if cache_len.numel() == 1 else cache_len.stride(0),  # one length shared by every row
         Hkv, group, max_len, keys_per_split, num_splits, scale,
         HEAD_DIM=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_N=block_n,
-        # as in triton_dispatch: exact fp32 products for fp32 inputs (§8)
+        # as in dispatch: exact fp32 products for fp32 inputs (§8)
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     _decode_merge[(B * Hq,)](o_part, lse_part, out, out.stride(0), out.stride(1), out.stride(3), Hq, num_splits,

@@ -8,8 +8,13 @@ import functools
 import os
 
 import torch
+import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Gluon, Triton's lower-level language the Hopper kernels are written in (hopper/), is experimental and its API moves
+# between releases: they are written for, and compile with, Triton 3.6 and 3.9. Older Triton has no Gluon or another
+# API; the `tl` kernels then run everywhere.
+HAS_GLUON = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # tl.dot needs >= 16; a 256-wide tile is the most that fits on chip
 

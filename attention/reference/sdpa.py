@@ -2,7 +2,7 @@
 cuDNN, memory-efficient or math) for the device, dtype and shape."""
 import torch.nn.functional as F
 
-from .masks import causal_mask
+from ..masks import causal_mask
 
 
 def sdpa_attention(q, k, v, causal: bool, scale: float, visible=None):

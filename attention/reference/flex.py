@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from .block_mask import BlockMask
+from ..block_mask import BlockMask
 
 # our BlockMask -> its Flex block mask: a model passes one BlockMask to every layer of a step, so it is converted
 # once; the weak key lets the entry go with the BlockMask (the Flex mask holds its rules, never the BlockMask)

@@ -5,7 +5,7 @@ to read first and to check the others against.
 """
 import torch
 
-from .masks import causal_mask
+from ..masks import causal_mask
 
 
 def naive_attention(q, k, v, causal: bool, scale: float, visible: torch.Tensor | None = None):

@@ -1,0 +1,183 @@
+"""The backward pass on Hopper (H100, H200), host side (§13): the `tl` pre-pass and post-pass around the
+warp-specialized kernel (gluon_backward.py: the algorithm, its warps and barriers), and the launches.
+
+    launched = backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile)   # three launches; launched.again repeats
+
+The float32 dQ adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
+bit-deterministic (dK and dV are). dispatch.backward takes the `tl` kernels where torch.use_deterministic_algorithms(True)
+asks for determinism.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..device import HAS_GLUON
+from ..launch import Launched, launch
+from ..tl_tiles import LOG2E
+from .forward import forward_supports, tma_can_read
+from .shapes import BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK, HopperBackwardTile
+
+if HAS_GLUON:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
+
+    from .gluon_backward import ROW_LAYOUT, attn_bwd_ws, dq_cols
+    from .gluon_common import descriptor, document_args, rebased, shared_layout
+
+
+# --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
+@triton.jit
+def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
+                      stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Per query row, into (B*H, Tq_pad) buffers, padded to whole tiles for the kernel's TMA loads (or not, Tq_pad ==
+    Tq, for a gathered problem's copies): Delta = rowsum(dO * O) (§5) and lse * lse_unit, the lse in the units the
+    kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs
+    no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the
+    caller gives the buffer (DQ_ACC None)."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+    cols = tl.arange(0, HEAD_DIM)  # (D,)
+    real = rows < Tq
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+                mask=real[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
+                 mask=real[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
+    row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
+    padded = rows < Tq_pad
+    tl.store(DELTA + row_index, delta, mask=padded)
+    tl.store(LSE_ROW + row_index, lse * lse_unit, mask=padded)
+    if DQ_ACC is not None:
+        tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
+                 mask=padded[:, None])
+
+
+@triton.jit
+def attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq_pad, scale,
+                        HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """dq = scale * the accumulated dS K (dS was taken w.r.t. the scaled scores), in dq's dtype and strides."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+    cols = tl.arange(0, HEAD_DIM)  # (D,)
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * Tq_pad + rows)[:, None] * HEAD_DIM + cols[None, :],
+                  mask=(rows < Tq)[:, None])
+    tl.store(DQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt + cols[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=(rows < Tq)[:, None])
+
+
+def backward_supports(q, k, v, o, do, grads, dense: bool) -> bool:
+    """Whether this kernel can run the call: the Hopper forward's rules (forward_supports) for q, k, v and dO, a head
+    dim in BACKWARD_TILES, and unit column strides for o and the gradients (read and written by pointers)."""
+    return (q.shape[-1] in BACKWARD_TILES and forward_supports(q, k, v, dense) and tma_can_read(do)
+            and all(t.stride(-1) == 1 for t in (o, *grads)))
+
+
+def backward_tiles(head_dim: int, dk: torch.Tensor, dv: torch.Tensor) -> list[HopperBackwardTile]:
+    """The tiles that can write these gradients: BACKWARD_TILES[head_dim], less the staged ones where the copy engine
+    cannot write dk or dv (tma_can_read's rule; the gradients dispatch.backward allocates with empty_bthd always pass
+    it)."""
+    return [tile for tile in BACKWARD_TILES[head_dim] if not tile.dkdv_staged or tma_can_read(dk, dv)]
+
+
+def row_values_first(head_dim: int) -> bool:
+    """Whether the consumers' S^T and dP^T wgmmas start from -lse / scale and -Delta instead of zero (_key_gradients'
+    ROWS_FIRST, §13 "The row values in the accumulators"): at hs=128, where those (M,) values, held in registers over
+    the exp2s and dS, make the build spill, and starting from them leaves it none; not at hs=64, which does not spill
+    and where subtracting them from the results is faster (docs/perf_notes.md, 'the row values in the backward's
+    accumulators')."""
+    return head_dim == 128
+
+
+def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float) -> Launched:
+    """dq (B, H, Tq, D), any strides, = scale * the float32 dS K in dq_acc (B*H*Tq_pad, D) (attn_bwd_finish_dq)."""
+    B, H, Tq, D = dq.shape
+    return launch(attn_bwd_finish_dq, (triton.cdiv(Tq, QUERY_BLOCK.value), B * H),
+                  (dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale), HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
+             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
+    """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
+    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
+    forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
+    as forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
+    and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
+    reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. -> Launched: the compiled
+    main kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale, documents), the same three launches for tensors
+    shaped, strided and aligned like these (None for a gathered problem)."""
+    B, Hq, T, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    row_src, given_dq_acc = gathered or (None, None)
+    # the pre-pass's rows per query head, padded to whole tiles for the TMA loads (a gathered problem copies rows)
+    T_pad = T if row_src is not None else triton.cdiv(T, QUERY_BLOCK.value) * QUERY_BLOCK.value
+    rows_grid = (triton.cdiv(T, QUERY_BLOCK.value), B * Hq)
+    # the query rows the main kernel walks: q's, or the gathered ones, of one batch entry and head as k and v then are
+    B_rows, H_rows, Tq = (B, Hq, T) if row_src is None else (1, 1, row_src.shape[0])
+    Tq_pad = T_pad if row_src is None else Tq
+    device = q.device  # (again must not keep q alive)
+
+    def buffers(with_dq=True):
+        """lse, Delta (B*Hq*T_pad,) and the float32 dQ (B*Hq*T_pad, D) (or None): the pre-pass writes all three"""
+        lse_row = torch.empty(B * Hq * T_pad, dtype=torch.float32, device=device)
+        dq_acc = torch.empty(B * Hq * T_pad, D, dtype=torch.float32, device=device) if with_dq else None
+        return lse_row, torch.empty_like(lse_row), dq_acc
+    lse_row, delta_row, dq_acc = buffers(with_dq=row_src is None)
+    rows_first = row_values_first(D)
+
+    def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
+        return 1 / scale if rows_first else LOG2E.value
+    sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
+    first_prepare = launch(attn_bwd_prepare, rows_grid,
+                           (o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale)),
+                           HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
+    # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
+    k_desc, v_desc = (descriptor(t, KEY_BLOCK.value, swizzle=D) for t in (k, v))
+    if row_src is None:
+        q_desc, do_desc = (descriptor(t, QUERY_BLOCK.value) for t in (q, do))
+        lse_desc, delta_desc = (TensorDescriptor(t, [t.numel()], [1], [QUERY_BLOCK.value], ROW_LAYOUT.value)
+                                for t in (lse_row, delta_row))
+        # the float32 dQ buffer's rows, added into by (QUERY_BLOCK, dq_cols) blocks by the copy engine
+        dq_block = (QUERY_BLOCK.value, dq_cols(D))
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), [D, 1], list(dq_block),
+                                   shared_layout(dq_block, torch.float32))
+        rows_args = (q_desc, do_desc, lse_desc, delta_desc, dq_desc)
+        sources = (None, 0, 0, 0, 0, 0, 0, 0, 0)
+    else:
+        rows_args = (q, do, lse_row, delta_row, given_dq_acc)
+        sources = (row_src, *q.stride()[:3], *do.stride()[:3], Hq, T)
+    # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
+    heads_per_group = max(1, DQ_GROUP_BYTES // ((H_rows // Hkv) * Tq_pad * D * 4))
+    diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
+    grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
+    # DK, DV: the gradients, or with a staged tile descriptors of (1, 1, 64, D) blocks swizzled as the K and V rows
+    # they are staged in (templates, re-aimed at each call's tensors)
+    stages, staged = tile
+    dkdv_descs = [rebased(descriptor(t, KEYS.value, swizzle=D), None) for t in (dk, dv)] if staged else []
+
+    def dkdv(dk, dv):
+        return tuple(rebased(desc, t) for desc, t in zip(dkdv_descs, (dk, dv))) if staged else (dk, dv)
+    sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
+    main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
+    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, *rows_args[:4], *dkdv(dk, dv), *grad_strides,
+                                                  rows_args[4], *sources, *sizes_main, scale,
+                                                  *document_args(documents)),
+                        STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=BACKWARD_LAUNCH_REGS)
+    if row_src is not None:  # the caller reads its buffer
+        return Launched(first_main.compiled, None)
+    first_finish = finish_dq(dq_acc, dq, T_pad, scale)
+    # again keeps the descriptors' layouts, not this call's tensors (the float32 dQ buffer alone is B*Hq*Tq*D*4 bytes)
+    k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
+        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
+
+    def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
+        lse_row, delta_row, dq_acc = buffers()
+        first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
+        first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
+                         rebased(lse_desc, lse_row), rebased(delta_desc, delta_row), *dkdv(dk, dv), *grad_strides,
+                         rebased(dq_desc, dq_acc), *sources, *sizes_main, scale,
+                         *document_args(documents))
+        first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
+    return Launched(first_main.compiled, again)

@@ -1,0 +1,89 @@
+"""The forward pass on Hopper (H100, H200), host side (§12): whether the warp-specialized kernel can run a call,
+and its launch. The kernel itself, FlashAttention-3's layout in Gluon, is gluon_forward.attn_fwd_ws, which says which
+warps do what and how they meet.
+
+    launched = forward(q, k, v, o, lse, causal, scale, tile)   # tile: one of FORWARD_TILES; launched.again repeats
+
+`tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization hangs there,
+and `tl` waits for every matmul at once). dispatch.forward's tuner times this kernel against the `tl` one on sm_90 and
+keeps the faster for each shape. Gluon has no CPU interpreter: its tests run on the GPU (tests/test_triton_hopper.py),
+and CI builds it for sm_90 (benchmarks/hopper_build.py).
+"""
+import torch
+import triton
+
+from ..device import HAS_GLUON, INTERPRET, is_hopper, sm_count
+from ..launch import Launched, launch
+from .shapes import FORWARD_TILES, REGS, ROWS, HopperForwardTile
+
+if HAS_GLUON:
+    from .gluon_common import descriptor, document_args, rebased
+    from .gluon_forward import attn_fwd_ws
+
+
+def tma_can_read(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine (TMA) reads these tensors: unit stride along the head dim, every other stride
+    and the start 16-byte aligned (also the `tl` forward's descriptor loads' rule, dispatch.use_tma)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
+
+
+def runs_on(q: torch.Tensor) -> bool:
+    """Whether the kernels run for queries like q: Gluon present, an sm_90 GPU (wgmma is Hopper's alone), fp16/bf16,
+    head dim 64 or 128."""
+    if not HAS_GLUON or INTERPRET:  # Gluon has no CPU interpreter
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in FORWARD_TILES and is_hopper(q.device)
+
+
+def forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: bool) -> bool:
+    """Whether this kernel can run the call: where it runs (runs_on), a dense mask, and tensors the copy engine reads.
+    Anything else takes the `tl` forward."""
+    return dense and runs_on(q) and tma_can_read(q, k, v)
+
+
+def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile,
+            documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+            row_src: torch.Tensor | None = None) -> Launched:
+    """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; dispatch.empty_bthd's tensors
+    are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
+    tile: one of FORWARD_TILES. documents: (spans, ids) where attention
+    stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
+    with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
+    row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
+    numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
+    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, documents), the
+    same launch for tensors shaped, strided and aligned like these (None for a gathered problem)."""
+    B, Hq, Tq, _ = o.shape  # the problem's query rows
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if not tma_can_read(o):
+        raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
+                         "stride and 16-byte aligned start and strides; allocate it with dispatch.empty_bthd")
+    block_n, k_stages, v_stages, persistent, consumers = tile
+    if row_src is not None and consumers != 2:
+        raise ValueError(f"tile {tile}: a gathered problem runs two consumers (_item_sources)")
+    launch_regs, consumer_regs = REGS[consumers]
+    diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
+    n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
+    # persistent: one program per SM (one fits: its warps fill the register file); its producer
+    # loads the next item's Q, K and V while the consumers finish the last one, instead of a new program starting.
+    # It walks pairs of items, under the causal mask a long and a short tile, so every program's share is as long.
+    per_turn = 2 if persistent else 1
+    programs = min(triton.cdiv(n_work, per_turn), sm_count(q.device)) if persistent else n_work
+    # Q: a descriptor of q, or for a gathered problem q itself, whose rows the producer copies
+    descriptors = (descriptor(q, ROWS.value) if row_src is None else q, descriptor(k, block_n), descriptor(v, block_n),
+                   descriptor(o, ROWS.value))
+    sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
+    gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
+    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn,
+                                              *document_args(documents), *gathered),
+                   BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
+                   CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
+    if row_src is not None:
+        return Launched(first.compiled, None)
+    q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
+
+    def again(q, k, v, o, lse, scale, documents=None):
+        first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), rebased(o_desc, o), o, lse,
+                    *sizes, scale, n_work, per_turn, *document_args(documents), *gathered)
+    return Launched(first.compiled, again)

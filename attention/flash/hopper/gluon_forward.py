@@ -1,0 +1,514 @@
+"""The forward pass on Hopper (H100, H200), warp-specialized: FlashAttention-3's layout, in Gluon (§12).
+
+The math is the `tl` forward's, tl_forward.attn_fwd (§2 online softmax, §4 log-sum-exp, §6 causal alignment,
+§8 exp2 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
+multiplies and runs the softmax in turn. Here a program takes work items, 128 or 192 query rows of one (batch,
+head) each (one item, or with a persistent grid a share of them in pairs: _work_item), and splits:
+
+  _load_tiles         a producer warp: an item's Q, then its K_j, V_j by TMA into rings of shared-memory slots,
+                      each slot refilled as soon as every consumer is done with it (for a gathered problem, §11
+                      "Rows read where they are", a warpgroup that copies Q's rows itself: gather_rows);
+  _softmax_rows       two or three consumer warpgroups of 64 rows each: the online softmax over the key tiles,
+                      S_j = Q K_j^T issued together with P_{j-1} V_{j-1} (async wgmma), so that one
+                      warpgroup's softmax runs while the tensor cores multiply (§12 says whose products); then
+                      O through a staging tile in shared memory to the copy engine, which stores it while the
+                      warpgroup goes on (§12 "O leaves by the copy engine").
+
+`tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization
+hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
+layouts, shared memory, barriers and warp partitions explicit. dispatch.forward's tuner times this
+kernel against the `tl` one on sm_90 and keeps the faster for each shape. Gluon has no CPU interpreter: its
+tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90 (benchmarks/hopper_build.py).
+
+Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land). K and V
+share one ring of K_STAGES slots (K_STAGES == V_STAGES), or each has its own (split rings, V_STAGES < K_STAGES: the
+consumers are done with K_j once S_j is computed, with V_j a tile later, so V can make do with fewer slots, and what
+that saves holds O's staging tiles at hs=128; §12 "Split rings"):
+  k_ready[s]   the copy engine arrives when K_j is in (one ring: K_j and V_j, 2 tiles of bytes announced with expect);
+  k_empty[s]   count CONSUMERS: each consumer warpgroup arrives when it has finished reading K_j (one ring: and V_j);
+  v_ready[s], v_empty[s]  the same for V_j, with split rings (one ring: they are k_ready and k_empty);
+  q_ready[b], q_empty[b]  the same for Q buffer b, which holds items b, b + Q_BUFFERS, ...: at hs=64 two buffers,
+               each refilled once all consumers are past their last S of its item; at hs=128, where they hold Q
+               in registers, one, refilled once all have loaded it.
+The j-th key tile a program loads (counted over its items) lives in slot j % slots of its ring, in that slot's phase
+(j // slots) & 1. No barrier spans the whole program, so no warpgroup waits for another.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .gluon_common import document_span, gather_rows, row_sources, same_document, tma_load, tma_store
+from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, SHARED_BYTES
+
+
+@triton.constexpr_function
+def _o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
+    """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K and V
+    rings, 16-bit elements; not at hs=128 with 128-key tiles in 3 + 3 slots: there the consumers store O from
+    registers (in 3 + 2 slots, split rings, it fits). attn_fwd_ws allocates by it and _softmax_rows stores by
+    it."""
+    rows = (q_buffers + 1) * consumers * ROWS + (k_stages + v_stages) * block_n
+    return rows * head_dim * 2 <= SHARED_BYTES
+
+@gluon.jit
+def program_items(n_work, per_turn):
+    """How many work items this program takes: per turn `per_turn` consecutive ones, program p taking turns p,
+    p + programs, ... (a program per item: per_turn 1 and a grid of n_work; persistent: pairs, `_work_item`)."""
+    n_turns = gl.cdiv(n_work, per_turn)
+    mine = gl.cdiv(n_turns - gl.program_id(0), gl.num_programs(0))  # grids never exceed n_turns
+    last_is_short = (n_work % per_turn != 0) & (gl.program_id(0) + (mine - 1) * gl.num_programs(0) == n_turns - 1)
+    return per_turn * mine - gl.where(last_is_short, per_turn - n_work % per_turn, 0)
+
+@gluon.jit
+def _item_tile(t, per_turn, n_m_tiles, BLOCK_M: gl.constexpr):
+    """This program's t-th work item -> (batch*head, first query row), as _work_item takes them."""
+    w = per_turn * (gl.program_id(0) + (t // per_turn) * gl.num_programs(0)) + t % per_turn
+    rank = w % n_m_tiles
+    return w // n_m_tiles, gl.where((per_turn == 2) & (rank % 2 == 1), rank // 2,
+                                    n_m_tiles - 1 - rank // per_turn) * BLOCK_M
+
+@gluon.jit
+def _work_item(t, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+               DOCUMENTS: gl.constexpr):
+    """This program's t-th work item -> (batch*head, first query row, first and end key tile to visit). The query
+    tiles of one (batch, head) are consecutive items, so the programs running at the same time share their K and
+    V in L2. Under the causal mask a tile's work grows with its position (§12 "A persistent grid"): a program
+    per item takes them last (longest) first; a persistent program takes pairs, ordered last, first, second
+    last, second, ..., so a pair is a long and a short tile whose key tiles add up to the same count for every
+    pair, and every program's share is as long as any other's. With DOCUMENTS the key tiles run from the one
+    holding the first row's document start to the last row's last key in its document (§14)."""
+    bh, start_m = _item_tile(t, per_turn, n_m_tiles, BLOCK_M)
+    # §6 the key tiles the tile's last row sees; at least one, so each consumer has a tile to wait for
+    last_row = gl.minimum(start_m + BLOCK_M, Tq) - 1
+    last_key = gl.minimum(last_row + diag, Tk - 1)
+    first_tile = 0
+    if DOCUMENTS:
+        first_key, _ = document_span(SPANS, bh // H, start_m, Tq)
+        _, last_end = document_span(SPANS, bh // H, last_row, Tq)
+        last_key = gl.minimum(last_key, last_end - 1)
+        first_tile = gl.maximum(first_key, 0) // BLOCK_N
+    return bh, start_m, first_tile, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1)
+
+@gluon.jit
+def _item_sources(ROW_SRC, t, n_items, per_turn, n_m_tiles, Tq, BLOCK_M: gl.constexpr):
+    """A gathered problem's source rows of work item t's two halves (row_sources; -1 throughout past the last
+    item): a gathered problem runs two consumers."""
+    bh, start_m = _item_tile(t, per_turn, n_m_tiles, BLOCK_M)
+    row_src = ROW_SRC + bh.to(gl.int64) * Tq
+    n_rows = gl.where(t < n_items, Tq, 0)
+    return row_sources(row_src, start_m, n_rows, ROWS), row_sources(row_src, start_m + ROWS, n_rows, ROWS)
+
+@gluon.jit
+def _load_tiles(Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
+                stride_qh, stride_qt, H_src, T_src):
+    """The producer warp: for each of the program's work items, Q (once every consumer is done with the
+    previous item's), then K_j, V_j. With one ring (K_STAGES == V_STAGES) both into slot j % STAGES, counted
+    in by one barrier. With split rings (V_STAGES < K_STAGES) each into its own, K a tile ahead: K_0, K_1,
+    V_0, K_2, V_1, ... (the consumers release each K once its S is computed, each V a tile later, after its
+    P V). Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D) block: rows past T arrive as zeros,
+    whatever the strides (§9), so a ragged last tile needs no special load. With ROW_SRC (a gathered problem,
+    §11) Q is a pointer to q (B, H_src, T_src, D) and its rows come by gather_rows."""
+    # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS  # a Q buffer holds 64 rows per consumer
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    SPLIT: gl.constexpr = v_smem.shape[0] < k_smem.shape[0]
+    DOCUMENTS: gl.constexpr = SPANS is not None  # §14 (None survives the hand-over as a constant; False does not)
+    loaded = 0  # key tiles loaded so far, over all items: tile number t goes to slot t % (its ring's slots)
+    n_items = program_items(n_work, per_turn)
+    if ROW_SRC is not None:  # a gathered problem (§11): the first item's source rows, later ones' an item ahead
+        src_0, src_1 = _item_sources(ROW_SRC, 0, n_items, per_turn, n_m_tiles, Tq, BLOCK_M)
+    for item in range(n_items):
+        bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
+                                                       BLOCK_M, DOCUMENTS)
+        b, h = bh // H, bh % H
+        ring0 = loaded - first_tile  # key tile j of this item is ring tile number ring0 + j
+        # the item's Q buffer, once every consumer is done with the item it held before; a fresh mbarrier counts
+        # as having completed the phase before phase 0: the first waits pass at once
+        buffer = item % Q_BUFFERS
+        mbarrier.wait(q_empty.index(buffer), ((item // Q_BUFFERS) & 1) ^ 1)
+        if ROW_SRC is not None:
+            gather_rows(src_0, H_src, T_src, q_smem.index(buffer * 2), Q, stride_qb, stride_qh, stride_qt,
+                        None, None, 0, 0, 0)
+            gather_rows(src_1, H_src, T_src, q_smem.index(buffer * 2 + 1), Q, stride_qb, stride_qh, stride_qt,
+                        None, None, 0, 0, 0)
+            # the phase completes once every copy has landed, and the arrival below
+            async_copy.mbarrier_arrive(q_ready.index(buffer))
+            mbarrier.arrive(q_ready.index(buffer), count=1)
+            src_0, src_1 = _item_sources(ROW_SRC, item + 1, n_items, per_turn, n_m_tiles, Tq, BLOCK_M)
+        else:
+            mbarrier.expect(q_ready.index(buffer), CONSUMERS * Q.block_type.nbytes)
+            for wg in gl.static_range(CONSUMERS):
+                tma_load(Q, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
+                          q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
+        for j in range(first_tile, end_tile):
+            if SPLIT:
+                _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
+                if j > first_tile:
+                    _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + j - 1,
+                               [b, h // GROUP, (j - 1) * BLOCK_N, 0], 1)
+            else:
+                slot = _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
+                tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
+                          v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+        if SPLIT:
+            _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + end_tile - 1,
+                       [b, h // GROUP, (end_tile - 1) * BLOCK_N, 0], 1)
+        loaded += end_tile - first_tile
+
+@gluon.jit
+def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
+    """Key tile number t (counted over the program's items) of K or V, the block at coord, into its ring's slot
+    t % slots, once every consumer released the tile that slot held before; ready[slot] counts `tiles` tiles'
+    bytes in (2: the V tile of a joint ring comes in on K's barrier). -> the slot."""
+    SLOTS: gl.constexpr = ring.shape[0]
+    slot = t % SLOTS
+    mbarrier.wait(empty.index(slot), ((t // SLOTS) & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), tiles * desc.block_type.nbytes)
+    tma_load(desc, coord, ready.index(slot), ring.index(slot).reshape([1, 1, ring.shape[1], ring.shape[2]]))
+    return slot
+
+@gluon.jit
+def _wait_tile(ring, ready, t):
+    """-> the slot of key tile number t (over the program's items) in its ring, once the tile is in."""
+    SLOTS: gl.constexpr = ring.shape[0]
+    slot = t % SLOTS
+    mbarrier.wait(ready.index(slot), (t // SLOTS) & 1)
+    return slot
+
+@gluon.jit
+def _v_slot(v_smem, v_ready, t, k_slot, SPLIT: gl.constexpr):
+    """-> V_t's slot, once V_t is in: with split rings its own, after a wait of its own; with one ring K_t's slot
+    k_slot, whose wait counted V_t in too (_load_tiles)."""
+    if SPLIT:
+        return _wait_tile(v_smem, v_ready, t)
+    else:
+        return k_slot
+
+@gluon.jit
+def _k_done(k_empty, slot, SPLIT: gl.constexpr):
+    """S of the K tile in `slot` is computed: with split rings the producer may refill its slot now (with one
+    ring it waits for the V beside it, released after P V)."""
+    if SPLIT:
+        mbarrier.arrive(k_empty.index(slot), count=1)
+
+@gluon.jit
+def _needs_mask(start_n, mask_from, every_from, BLOCK_N: gl.constexpr, DOCUMENTS: gl.constexpr):
+    """Whether the key tile at start_n holds a key some row of the warpgroup does not see: one past mask_from
+    (the first key not every row sees at the top, §6), or with DOCUMENTS one before every_from (the first key
+    every row's document holds, §14)."""
+    masked = start_n + BLOCK_N > mask_from
+    if DOCUMENTS:
+        masked = masked | (start_n < every_from)
+    return masked
+
+@gluon.jit
+def _mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_layout: gl.constexpr):
+    """s (ROWS, N) with -inf past each row's last visible key, min(row + diag, Tk - 1) (§6: diag = Tk - Tq
+    under the causal mask; Tk otherwise, when only a ragged last tile's zero rows are hidden), and with SPANS
+    (B, 2, Tq) (§14) outside each row's span (same_document)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
+    last_key = gl.minimum(rows + diag, Tk - 1)
+    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,)
+    visible = keys[None, :] <= last_key[:, None]
+    if SPANS is not None:
+        visible = visible & same_document(rows, keys, b, Tq, SPANS, IDS, stride_ids)
+    return gl.where(visible, s, float("-inf"))
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """§2 the online softmax over one key tile's scores s (ROWS, N), as in tl_forward.fwd_tile: -> P, alpha
+    (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
+    p = gl.exp2(s * qk_scale - m_ref[:, None])
+    alpha = gl.exp2(m_i - m_ref)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+@gluon.jit
+def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                  o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
+                  diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+    """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
+    and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
+    attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
+    K_STAGES: gl.constexpr = k_smem.shape[0]
+    V_STAGES: gl.constexpr = v_smem.shape[0]
+    SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N,
+                                       HEAD_DIM)  # as attn_fwd_ws allocated
+    DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
+    # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory,
+    # the busier unit at hs=128: with both operands there, a 64-key tile asks shared memory for all the bytes per
+    # clock it has. At hs=64 the softmax is the busier unit, and Q stays in shared memory (§12 "Overlap inside a
+    # consumer"; faster at hs=128, slower at hs=64: docs/perf_notes.md, 'hs=128: Q in registers').
+    Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
+    q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
+    # first warpgroup's rows) is taken by that half only: S of N/2 columns, the same rows in each thread. Only at
+    # hs=64 with two consumers: with three, and at hs=128, ptxas schedules the builds' main loops worse and the
+    # tile is taken whole (§12 "Half a tile at the diagonal"; docs/perf_notes.md, 'half a tile at the
+    # diagonal'). So where the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
+    HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF_N, 16])
+    half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
+    seen_tiles = 0  # key tiles of earlier items
+    for item in range(program_items(n_work, per_turn)):
+        bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
+                                                       BLOCK_M, DOCUMENTS)
+        ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
+        first_row = start_m + WG * ROWS
+        # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
+        # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
+        # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
+        # and Tq = 1024, two of them) store nothing: they take one tile and release the others unread.
+        last_row = gl.minimum(first_row + ROWS, Tq) - 1
+        last_key = gl.minimum(last_row + diag, Tk - 1)
+        mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
+        # §14 documents: the first key every row's document holds (tiles before it are masked; all of them where
+        # the ids are not runs) and the end of the first row's (tiles past it are masked)
+        every_from = 0
+        if DOCUMENTS:
+            every_from, last_end = document_span(SPANS, bh // H, last_row, Tq)
+            if IDS is not None:
+                every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
+            last_key = gl.minimum(last_key, last_end - 1)
+            _, first_end = document_span(SPANS, bh // H, gl.minimum(first_row, Tq - 1), Tq)
+            mask_from = gl.minimum(mask_from, first_end)
+        n_mine = gl.where(first_row < Tq, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1),
+                          first_tile + 1)
+        # key tiles taken whole: all but a last one of which no row sees past the first half (and not the first),
+        # where HALF_TILES
+        last_seen = last_key - (n_mine - 1) * BLOCK_N  # in the last tile
+        n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
+        buffer = item % Q_BUFFERS
+        mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
+        if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmma that reads them
+            fence_async_shared()
+        if Q_IN_REGISTERS:
+            q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
+            # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
+            # fence the next item's Q may land before they are done, and rows come out wrong (§12)
+            fence_async_shared()
+            mbarrier.arrive(q_empty.index(buffer), count=1)  # Q read: the next item's may load
+        else:
+            q = q_smem.index(buffer * CONSUMERS + WG)
+
+        # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}.
+        # With split rings each K is released once its S is computed, each V once its P V is; with one ring both
+        # once the P V is
+        k_slot = _wait_tile(k_smem, k_ready, seen_tiles)
+        s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
+                                gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
+        _k_done(k_empty, k_slot, SPLIT)
+        if _needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+            s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
+                           s_layout)
+        m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+        p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i = gl.sum(p, 1)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+        for j in range(first_tile + 1, n_full):
+            prev = k_slot
+            k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
+                                    gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+            v_slot = _v_slot(v_smem, v_ready, ring0 + j - 1, prev, SPLIT)
+            o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
+            _k_done(k_empty, k_slot, SPLIT)
+            if _needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+                s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
+                               s_layout)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
+            # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
+            # tensor cores fed for each other (§12 "Overlap inside a consumer")
+            acc = warpgroup_mma_wait(0, deps=[o_token])
+            mbarrier.arrive(v_empty.index(v_slot), count=1)  # done with V_{j-1} (one ring: K_{j-1} too): refill
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        # each branch waits for its last P V itself: with a wgmma in flight across the join, ptxas serializes
+        # every wgmma of the kernel
+        if HALF_TILES and n_full < n_mine:
+            # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
+            # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile at the
+            # diagonal")
+            prev = k_slot
+            k_slot = _wait_tile(k_smem, k_ready, ring0 + n_full)
+            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            k_half = k_smem.index(k_slot).slice(0, HALF_N)  # (N/2, D)
+            half_token = warpgroup_mma(q, k_half.permute((1, 0)),
+                                       gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
+                                       is_async=True)
+            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, prev, SPLIT)
+            o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
+            s_half = warpgroup_mma_wait(1, deps=[half_token])
+            _k_done(k_empty, k_slot, SPLIT)
+            s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
+                                stride_ids, half_layout)
+            p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
+                                                          gl.convert_layout(l_i, half_rows), qk_scale)
+            m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
+            acc = warpgroup_mma_wait(0, deps=[o_token])
+            mbarrier.arrive(v_empty.index(v_slot), count=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full, k_slot, SPLIT)
+            o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
+                                    v_smem.index(v_slot).slice(0, HALF_N), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_token])
+        else:
+            if not Q_IN_REGISTERS:
+                mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
+            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, k_slot, SPLIT)
+            o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(v_slot), acc,
+                                    is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[o_token])
+        mbarrier.arrive(v_empty.index(v_slot), count=1)
+        for j in range(n_mine, end_tile):  # tiles only the other warpgroups' rows see: release them unread
+            k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
+            _k_done(k_empty, k_slot, SPLIT)
+            mbarrier.arrive(v_empty.index(_v_slot(v_smem, v_ready, ring0 + j, k_slot, SPLIT)), count=1)
+        seen_tiles += end_tile - first_tile
+
+        # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
+        l_o = gl.convert_layout(l_i, o_rows)
+        seen = l_o > 0
+        l_safe = gl.where(seen, l_o, 1.0)
+        rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
+        if O_STAGED:
+            # O by the copy engine, which leaves out rows past Tq: the tile goes to shared memory (once the
+            # last item's store has read it), and the warpgroup goes on. Stored from registers, O leaves in
+            # 4-byte pieces 8 rows apart, many narrow writes the warpgroup waits out (§12 "O leaves by the
+            # copy engine")
+            o_tile = o_smem.index(WG)
+            tma.store_wait(0)
+            o_tile.store((acc / l_safe[:, None]).to(o_desc.dtype))
+            fence_async_shared()  # the stores, visible to the copy engine
+            tma_store(o_desc, [bh // H, bh % H, first_row, 0], o_tile.reshape([1, 1, ROWS, HEAD_DIM]))
+        else:
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
+            o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
+            o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
+            gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
+        lse = gl.where(seen, (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * 0.6931471805599453,
+                       float("inf"))
+        gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
+    if O_STAGED:
+        tma.store_wait(0)  # the last O has left shared memory before the program ends
+
+# one function per consumer warpgroup: warp_specialize cannot pass a partition a constexpr (WG), so each
+# partition fixes its own (the third runs only with three consumers)
+@gluon.jit
+def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                    o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+    _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                  SPANS, IDS, stride_ids, ROW_SRC)
+
+@gluon.jit
+def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                    o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+    _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                  SPANS, IDS, stride_ids, ROW_SRC)
+
+@gluon.jit
+def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                    o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+    _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
+                  SPANS, IDS, stride_ids, ROW_SRC)
+
+@gluon.jit
+def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
+                 scale, n_work, per_turn, SPANS, IDS, stride_ids, ROW_SRC, stride_qb, stride_qh, stride_qt, H_src,
+                 T_src, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                 V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
+    walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
+    consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
+    SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
+    ROW_SRC: for a gathered problem (§11) the source row of each query row, Q then a pointer to q (B, H_src,
+    T_src, D) (_load_tiles); or None, Q a descriptor of the queries."""
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
+    n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
+    # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], k_desc.dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_desc.dtype)
+    # At hs=128 the consumers hold Q in registers and release its buffer as an item starts: one buffer lets the
+    # next item's Q load early. At hs=64 they read it from shared memory until their last S: with a second
+    # buffer the next item's Q loads while they finish this one (the last softmax, P V, the stores).
+    Q_BUFFERS: gl.constexpr = 1 if HEAD_DIM == 128 else 2
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    # O's staging tiles, one per consumer, where they fit (_o_staged)
+    O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)
+    if O_STAGED:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
+    else:
+        o_smem = q_smem  # in its place, not used
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+    if V_STAGES < K_STAGES:  # split rings: V's barriers of its own (_load_tiles)
+        v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(V_STAGES):
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    else:  # one ring: K's barriers count both tiles of a slot
+        v_ready, v_empty = k_ready, k_empty
+    fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
+
+    consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
+                     O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
+                     scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC)
+    producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
+                     stride_qh, stride_qt, H_src, T_src)
+    # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
+    PRODUCER_WARPS: gl.constexpr = 1 if ROW_SRC is None else GATHER_WARPS
+    if CONSUMERS == 3:
+        gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
+                            (_softmax_rows_2, consumer_args), (_load_tiles, producer_args)],
+                           [4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_softmax_rows_0, consumer_args), (_softmax_rows_1, consumer_args),
+                            (_load_tiles, producer_args)], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])

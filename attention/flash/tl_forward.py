@@ -1,0 +1,133 @@
+"""The `tl` forward (FlashAttention-2, docs/flash_attention.md §3, §4): a program per (query tile, batch*head)
+walks the key tiles its rows see and keeps the online softmax (§2) of each row; it writes O and each row's
+log-sum-exp, which the backward (tl_backward.py) recomputes P from.
+
+With VARLEN (§14) batch entry b is sequence b of rows packed end to end (attention_varlen): each program reads
+where its sequence starts and how long it is, then runs as a dense one on it. Which tile runs is the tuner's choice
+(tuner.py, §9); when this kernel runs and when the Hopper one does is dispatch.py's. fwd_tile serves MoBA's kernels
+too (moba/tl_kernels.py, §11).
+"""
+import triton
+import triton.language as tl
+
+from .tl_tiles import (LN2, LOG2E, head_rows, key_ranges, listed_row, listed_tile, listed_tile_id, load_document_ids,
+                       load_tile, query_tile_start, row_stats, rows_from, rule_visible, sequence_bounds, store_tile,
+                       tile_visible)
+
+
+@triton.jit
+def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
+              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold the key tile k_pos = start_n, start_n + 1, ... (N,) into one query tile's running max m_i,
+    running sum l_i and unnormalised output acc. visible: the (M, N) mask of a tile that needs one;
+    None for a tile every row sees whole (then no mask is built and no load is bounds-checked)."""
+    k = load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
+    v = load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N), fp32 sums
+    if visible is not None:
+        qk = tl.where(visible, qk, float("-inf"))
+    # §2 online softmax: move the running max, rescale what was summed under the old one.
+    # §8 exp2: scores in base 2, s = q.k * scale * log2(e); the max commutes with that positive
+    # factor, so scaling the row max and then qk * qk_scale - m is one fused multiply-add
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (M,)
+    m_ref = m_new
+    if visible is not None:
+        # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
+        # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk * qk_scale - m_ref[:, None])  # (M, N)
+    alpha = tl.exp2(m_i - m_ref)  # (M,)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attn_fwd(Q, K, V, O, LSE,
+              stride_qb, stride_qh, stride_qt, stride_qd,
+              stride_kb, stride_kh, stride_kt, stride_kd,
+              stride_vb, stride_vh, stride_vt, stride_vd,
+              stride_ob, stride_oh, stride_ot, stride_od,
+              H, GROUP, Tq, Tk, scale,
+              BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
+              window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+              SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+              MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = query_tile_start(BLOCK_M, CAUSAL)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    q_start, k_start, seq_q, seq_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
+    LSE = row_stats(LSE, b, h, H, Tq, q_start, VARLEN)
+    Tq, Tk = seq_q, seq_k
+    if VARLEN:
+        if start_m >= Tq:  # §14 the grid covers the longest sequence; this one is shorter
+            return
+    Q = rows_from(Q, q_start, stride_qt, VARLEN)
+    K = rows_from(K, k_start, stride_kt, VARLEN)
+    V = rows_from(V, k_start, stride_vt, VARLEN)
+    O = rows_from(O, q_start, stride_ot, VARLEN)
+    # §7 GQA: query head h reads kv head h // GROUP, GROUP = Hq // Hkv
+    Q = head_rows(Q, b, h, stride_qb, stride_qh, stride_qt, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
+    K = head_rows(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+    V = head_rows(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
+    O = head_rows(O, b, h, stride_ob, stride_oh, stride_ot, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
+    if DOCS:
+        DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
+
+    q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
+    cols = tl.arange(0, BLOCK_D)  # (D,)
+    q = load_tile(Q, start_m, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, True)  # (M, D), on chip throughout
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    qk_scale = scale * LOG2E
+
+    if SPARSE:
+        # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones
+        # unmasked, then the PARTIAL ones masked; SKIP blocks are never loaded
+        row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,
+                                            MASK_BLOCK, BLOCK_N)
+        for i in range(n_full):
+            start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
+            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
+                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
+        for i in range(n_full, n_listed):
+            start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
+            tile_id = listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_N)
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            k_doc = load_document_ids(DOC_IDS, k_pos[None, :], 0, Tk, -2, DOCS)  # (1, N)
+            visible = tile_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
+                               TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
+            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+    else:
+        # §6: the tiles a window's left edge cuts, masked; the fully visible ones, unmasked; then the few at the
+        # diagonal and the ends, masked
+        lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
+                                                CAUSAL, WINDOW)
+        if WINDOW:  # without one, lo = full_lo = 0 and the dense kernels carry no such loop
+            for start_n in range(lo, full_lo, BLOCK_N):
+                k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+                visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL,
+                                        WINDOW)
+                acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                          stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_lo, full_end, BLOCK_N):
+            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
+                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+        for start_n in range(full_end, end, BLOCK_N):
+            k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
+            visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
+            acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+
+    # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
+    # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))
+    store_tile(O, acc / l_safe[:, None], start_m, q_pos, Tq, stride_ot, cols, stride_od, HEAD_DIM)
+    tl.store(LSE + q_pos, lse, mask=q_pos < Tq)

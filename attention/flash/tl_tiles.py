@@ -1,0 +1,260 @@
+"""FlashAttention-2 in Triton's `tl`: the pieces every `tl` kernel shares (docs/flash_attention.md, §N below).
+
+  tl_forward.py   attn_fwd, a program per (query tile, batch*head): O and each row's log-sum-exp (§3, §4)
+  tl_backward.py  attn_bwd_dq, then attn_bwd_dkdv (§5, §7)
+
+Here: head and row addressing, loading and storing tiles with ragged edges, which keys a query sees (causal §6,
+windows and documents §10, varlen §14) and which tiles a program walks. MoBA's kernels (moba/tl_kernels.py, §11) and
+the decode kernel (flash/decode.py) reuse them.
+
+Shape comments: M = BLOCK_M query rows, N = BLOCK_N key rows, D = BLOCK_D, the head dim padded to a power of two
+(columns >= HEAD_DIM load as 0 and are never stored, so nothing is copied).
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pieces shared by every kernel
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def head_base(ptr, b, h, stride_b, stride_h):
+    # 64-bit: b * stride_b passes 2**31 for large batches of long sequences
+    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def load_rows(base, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """(len(rows), D) tile of one head's (n_rows, HEAD_DIM) matrix. Padding columns read 0; rows
+    past n_rows read 0 only with CHECK_ROWS, which tiles known to lie inside the sequence skip."""
+    ptrs = base + rows[:, None] * stride_t + cols[None, :] * stride_d
+    mask = cols[None, :] < HEAD_DIM
+    if CHECK_ROWS:
+        mask = mask & (rows[:, None] < n_rows)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_rows(base, tile, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr):
+    ptrs = base + rows[:, None] * stride_t + cols[None, :] * stride_d
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def head_rows(ptr, b, h, stride_b, stride_h, stride_t, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """One head's (n_rows, HEAD_DIM) matrix as the tile loads read it (§9 TMA): a pointer to its first
+    element, or with TMA a tensor descriptor whose loads are (BLOCK, BLOCK_D) copies done by Hopper's
+    tensor memory accelerator: one instruction per tile instead of an address per element, no
+    registers spent on addresses and masks, rows past n_rows and columns past HEAD_DIM read as 0."""
+    base = head_base(ptr, b, h, stride_b, stride_h)
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_t, 1],
+                                         block_shape=[BLOCK, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def load_tile(src, start, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The (len(rows), D) tile whose rows are start, start + 1, ...: from a descriptor (head_rows) or,
+    for a pointer, as load_rows."""
+    if isinstance(src, tl.tensor_descriptor):
+        return src.load([start, 0])
+    else:
+        return load_rows(src, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM, CHECK_ROWS)
+
+
+@triton.jit
+def store_tile(dst, tile, start, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM: tl.constexpr):
+    if isinstance(dst, tl.tensor_descriptor):
+        dst.store([start, 0], tile.to(dst.dtype))  # rows past n_rows are not written
+    else:
+        store_rows(dst, tile, rows, n_rows, stride_t, cols, stride_d, HEAD_DIM)
+
+
+@triton.jit
+def tile_visible(q_pos, k_pos, Tq, Tk, window_left, window_right, q_doc, k_doc, TILE_BITS, tile_id,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
+             MASK_BLOCK: tl.constexpr):
+    """True where query q_pos may attend to key k_pos (broadcast shapes, e.g. (M, 1) and (1, N)).
+    Only tiles that need a mask call this: the AND of every rule the call uses (§6, §10). It runs on
+    every score of a masked tile, so each rule costs as few integer ops per score as it can.
+    Positions are bottom-right aligned: query i sits at absolute position i + Tk - Tq.
+    q_doc, k_doc: the rows' document ids (load_document_ids), shaped like q_pos and k_pos; None without DOCS."""
+    q_abs = q_pos + (Tk - Tq)
+    if CAUSAL:  # not in the query's future (for a real query, q_abs <= Tk - 1: so the key exists)
+        mask = k_pos <= q_abs
+    else:
+        mask = k_pos < Tk  # the key exists
+    if WINDOW:
+        # §10 the window bounds how far the key lies behind the query: lo <= q_abs - k_pos <= window_left,
+        # lo = -window_right (0 with causal). Read as unsigned, a distance below lo wraps around past
+        # window_left - lo, so one subtraction and one compare per score test both ends (q_abs - lo
+        # is per row) instead of two compares and an AND
+        if CAUSAL:
+            lo = 0
+        else:
+            lo = -window_right
+        in_window = ((q_abs - lo) - k_pos).to(tl.uint32, bitcast=True) <= (window_left - lo).to(tl.uint32, bitcast=True)
+        if CAUSAL:
+            mask = in_window  # lo = 0 holds the causal rule
+        else:
+            mask = mask & in_window
+    if DOCS:  # §10 documents: the same document
+        mask = mask & (q_doc == k_doc)
+    if BITS:  # §10 a mask function's partial block, evaluated once on the host: (MASK_BLOCK, MASK_BLOCK) bytes
+        offset = tile_id.to(tl.int64) * MASK_BLOCK * MASK_BLOCK + (q_pos % MASK_BLOCK) * MASK_BLOCK + k_pos % MASK_BLOCK
+        # tile_id -1 (the mask function sees this whole block; another rule made it partial) gives
+        # offsets in [-MASK_BLOCK**2, 0): nothing to load, every pair visible
+        mask = mask & (tl.load(TILE_BITS + offset, mask=offset >= 0, other=1) != 0)
+    return mask
+
+
+@triton.jit
+def rule_visible(q_pos, k_pos, Tq, Tk, window_left, window_right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """tile_visible for the kernels' dense path: the causal rule, a varlen call's window (§14), the end of the keys."""
+    return tile_visible(q_pos, k_pos, Tq, Tk, window_left, window_right, None, None, None, -1, CAUSAL, WINDOW, False,
+                    False, 16)
+
+
+@triton.jit
+def load_document_ids(DOC_IDS, pos, shift, n_rows, missing, DOCS: tl.constexpr):
+    """§10: the document id at position pos + shift for rows pos < n_rows, `missing` for the others
+    (-1 for queries, -2 for keys, so a missing row matches nothing). DOC_IDS points at this batch
+    row's ids. A program loads its own rows' ids once, not once per tile; None without DOCS."""
+    ids = None
+    if DOCS:
+        ids = tl.load(DOC_IDS + pos + shift, mask=(pos < n_rows) & (pos + shift >= 0), other=missing)
+    return ids
+
+
+@triton.jit
+def key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Keys a query tile [start_m, start_m + BLOCK_M) visits, as three ranges (§6 tile skipping): [lo, full_lo)
+    need the mask (the window's left edge cuts into them, §14), [full_lo, full_end) are visible to every row (no
+    mask), [full_end, end) need the mask (the diagonal, a window's right edge, the ragged end of the keys). Key
+    tiles outside [lo, end) are never loaded."""
+    first = start_m + Tk - Tq  # the tile's first row's position among the keys (bottom-right aligned)
+    last = first + BLOCK_M - 1
+    if CAUSAL:  # row a sees keys <= a: the first row bounds the whole tiles, the last row the end
+        full_end = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N  # first + 1 <= Tk for a tile of real queries
+        end = tl.minimum(last + 1, Tk)
+    elif WINDOW:  # and keys <= a + window_right
+        full_end = tl.maximum(tl.minimum(first + window_right + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        end = tl.maximum(tl.minimum(last + window_right + 1, Tk), 0)
+    else:
+        full_end = Tk // BLOCK_N * BLOCK_N  # only a ragged last tile needs the mask
+        end = Tk
+    lo = 0
+    full_lo = 0
+    if WINDOW:  # row a sees keys >= a - window_left: the first row bounds what is loaded, the last what is whole
+        lo = tl.maximum(first - window_left, 0) // BLOCK_N * BLOCK_N
+        # a window narrower than a tile leaves no whole tile
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last - window_left, 0), BLOCK_N) * BLOCK_N, full_end)
+    return lo, full_lo, full_end, end
+
+
+@triton.jit
+def query_ranges(start_n, Tq, Tk, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Queries that see a key tile [start_n, start_n + BLOCK_N), as three ranges (§6): [lo, diag_end) straddle
+    the diagonal (mask), [diag_end, full_end) see the whole tile (no mask), [full_end, end) the ragged last query
+    tile or, with a window (§14), the rows its left edge cuts off (mask). Query tiles outside [lo, end) see none of
+    these keys: skipped. Row i sits at position i + Tk - Tq among the keys."""
+    shift = Tk - Tq
+    last = start_n + BLOCK_N - 1
+    lo = 0
+    diag_end = 0
+    if CAUSAL or WINDOW:  # key j is seen from rows at j - right on (right = 0 with causal)
+        right = 0
+        if not CAUSAL:
+            right = window_right
+        lo = tl.maximum(start_n - right - shift, 0) // BLOCK_M * BLOCK_M
+        # a query tile starting at or after the row that sees the tile's last key sees it all
+        diag_end = tl.minimum(tl.cdiv(tl.maximum(last - right - shift, 0), BLOCK_M) * BLOCK_M, Tq)
+    full_end = Tq // BLOCK_M * BLOCK_M
+    end = Tq
+    if WINDOW:  # and up to rows at j + window_left
+        full_end = tl.maximum(tl.minimum(start_n + window_left - shift + 1, Tq), 0) // BLOCK_M * BLOCK_M
+        end = tl.maximum(tl.minimum(last + window_left - shift + 1, Tq), 0)
+    full_end = tl.maximum(diag_end, full_end)
+    return lo, diag_end, full_end, end
+
+
+@triton.jit
+def sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN: tl.constexpr):
+    """§14 varlen: batch entry b is sequence b of the packed rows. -> its first query row, first key row and its
+    Tq, Tk; for a dense call rows 0, 0 and the call's Tq, Tk."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + b)
+        Tq = tl.load(CU_SEQLENS_Q + b + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + b)
+        Tk = tl.load(CU_SEQLENS_K + b + 1) - k_start
+    return q_start, k_start, Tq, Tk
+
+
+@triton.jit
+def rows_from(ptr, start, stride_t, VARLEN: tl.constexpr):
+    """§14: ptr moved to row `start` of the packed rows (varlen); unchanged for a dense call."""
+    if VARLEN:
+        ptr += start.to(tl.int64) * stride_t
+    return ptr
+
+
+@triton.jit
+def row_stats(STATS, b, h, H, n_rows, q_start, VARLEN: tl.constexpr):
+    """Head h's first row in a per-row float32 statistic (the log-sum-exp, Delta): (B, H, n_rows) for a dense
+    call; (H, n_rows) for varlen (§14), n_rows then the packed query rows, sequence b's from q_start."""
+    if VARLEN:
+        return STATS + h.to(tl.int64) * n_rows + q_start
+    else:
+        return STATS + (b * H + h).to(tl.int64) * n_rows
+
+
+@triton.jit
+def listed_row(BLOCKS, b, h, stride_b, stride_h, start, n_blocks, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """§10: the block-mask row (see listed_tile) of the block holding position start, for batch row b and
+    head h, and how many TILE-wide tiles its FULL blocks and all its listed blocks hold: -> row, n_full, n_listed."""
+    row = BLOCKS + b * stride_b + h * stride_h + (start // MASK_BLOCK) * (2 + 2 * n_blocks)
+    return row, tl.load(row) * (MASK_BLOCK // TILE), tl.load(row + 1) * (MASK_BLOCK // TILE)
+
+
+@triton.jit
+def listed_tile(row, i, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """§10: the first position of the i-th tile of the blocks a block-mask row lists (row = [n_full,
+    n_listed, blocks..., tile ids...], see attention/block_mask.py), counting TILE-wide tiles: each
+    block holds MASK_BLOCK // TILE of them. One flat loop over tiles (not a loop per block) lets
+    Triton's software pipelining prefetch across block boundaries."""
+    TILES_PER_BLOCK: tl.constexpr = MASK_BLOCK // TILE
+    return tl.load(row + 2 + i // TILES_PER_BLOCK) * MASK_BLOCK + (i % TILES_PER_BLOCK) * TILE
+
+
+@triton.jit
+def listed_tile_id(row, i, n_blocks, BITS: tl.constexpr, MASK_BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """The stored-mask tile id of the block holding listed tile i (-1 without a mask function)."""
+    tile_id = -1
+    if BITS:
+        tile_id = tl.load(row + 2 + n_blocks + i // (MASK_BLOCK // TILE))
+    return tile_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward (§2 online softmax, §3 tiling, §4 log-sum-exp)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def query_tile_start(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's first query row (§9 work order). Causal rows get longer down the sequence and
+    the GPU starts programs in launch order, so the first programs take the last (longest) tiles:
+    the short ones then fill the gaps at the end instead of a few long ones running on alone."""
+    tile = tl.program_id(0)
+    if CAUSAL:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile * BLOCK_M
