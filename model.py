@@ -2,16 +2,15 @@
 
     model = GPT(GPTConfig.preset("gpt2", attn="triton"))
     logits, loss = model(idx, targets)        # idx, targets: (B, T) token ids
-    out = model.eval().generate(idx, 100)     # sampling with a KV cache (see KVCache)
     GPT(GPTConfig(window=256))                # sparse: a 256-token sliding window, any backend with masks
     GPT(GPTConfig(attn="moba"))               # sparse: MoBA, a backend with options of its own (attn_options)
 
-Module names follow Hugging Face's GPT-2 so its checkpoints load 1:1 (see load_hf_state_dict).
+Two things GPT does live in files of their own, as mixins: sampling with a KV cache, model.generate(idx, 100)
+(generation.py), and loading OpenAI's weights, GPT.from_pretrained("gpt2") (pretrained.py; module names follow
+Hugging Face's GPT-2 so its checkpoints load 1:1).
 """
-import json
 import math
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -19,15 +18,8 @@ import torch.nn.functional as F
 
 from attention import (BlockMask, attention, attention_qkvpacked, available_backends, backend_options, decode_attention,
                        get_backend, keys_per_query, unpack_qkv)
-
-# every GPT-2 size uses a head size of 64; only the depth and width change
-PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-}
-PRESET_ALIASES = {"124M": "gpt2", "350M": "gpt2-medium", "774M": "gpt2-large", "1.5B": "gpt2-xl"}
+from generation import GenerationMixin, KVCache
+from pretrained import PRESET_ALIASES, PRESETS, PretrainedMixin
 
 
 @dataclass
@@ -98,117 +90,6 @@ class GPTConfig:
             raise ValueError(f"unknown GPTConfig field(s) {unknown}; valid fields: {valid}"
                              + (hint if any("dropout" in k for k in unknown) else ""))
         return cls(**{**PRESETS[name], **overrides})
-
-
-class KVCache:
-    """One layer's keys and values during generate(), so each step computes k, v for new tokens only.
-
-    The buffer is (B, nh, max_len, hs), allocated once on the first write, in the dtype the keys come
-    in (bf16 under autocast, say), and filled in place: no torch.cat and no reallocation per token.
-    Two ways to fill it:
-
-    - extend(k, v) appends T positions at the host-side count `length`; attention then reads the
-      filled prefix, a view whose length changes every call. generate() fills the prompt this way.
-    - a static decode step, while step_pos is set (generate() sets it, see DecodeStep): write_step()
-      puts one token's k, v at the device-side position step_pos, and attention reads the whole
-      buffer through decode_attention, keys at or past step_len masked. Every step has the same
-      shapes and reads no host int, so it can be captured once in a CUDA graph and replayed.
-    """
-
-    def __init__(self, max_len: int):
-        self.max_len = max_len
-        self.length = 0  # positions filled so far
-        self.k = self.v = None
-        # (1,) int64 device tensors during a static decode step: the new token's position, and the
-        # number of valid positions including it (step_pos + 1), kept apart to save an add per layer
-        self.step_pos = self.step_len = None
-
-    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append k, v (B, nh, T, hs) of the next T positions; return all of them (B, nh, length, hs)."""
-        end = self.length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.length} cached + {k.size(2)} new positions > max_len="
-                             f"{self.max_len}; clear() it and re-run the context, or make a larger cache")
-        if self.k is None:
-            # zeros, not empty: the masked decode of the non-Triton backends reads the whole buffer and
-            # weights unwritten positions by 0, and 0 * a NaN left in uninitialised memory is NaN
-            self.k = k.new_zeros(k.size(0), k.size(1), self.max_len, k.size(3))
-            self.v = torch.zeros_like(self.k)
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        # strided views of the buffer, which every backend reads in place
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def write_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one token's k, v (B, nh, 1, hs) at step_pos; the caller advances the positions."""
-        self.k.index_copy_(2, self.step_pos, k)
-        self.v.index_copy_(2, self.step_pos, v)
-
-    def positions(self, T: int, device) -> torch.Tensor:
-        """(T,) absolute positions of the next T tokens: the device-side step_pos in a static step."""
-        if self.step_pos is not None:
-            return self.step_pos
-        return torch.arange(self.length, self.length + T, device=device)
-
-    def clear(self) -> None:
-        self.length = 0  # the buffer is kept: the next writes overwrite it
-        self.step_pos = self.step_len = None  # and they are extend()s again
-
-
-class DecodeStep:
-    """generate()'s decode loop body: one token per sequence through the model, at the position its
-    KV caches (filled by a prefill) have reached. The step reads its inputs from static buffers and
-    the position from a device tensor (KVCache.step_pos), so its shapes and addresses never change.
-
-    With cuda_graph the whole step (embedding, every block's cache write and decode attention, the
-    head) is captured once into a torch.cuda.CUDAGraph, and each token then costs one replay instead
-    of a few hundred kernel launches from Python, which is what bounds decoding at small batch.
-    """
-
-    def __init__(self, model: "GPT", caches: list[KVCache], token: torch.Tensor, cuda_graph: bool):
-        self.model, self.caches = model, caches
-        self.token = token.clone()  # (B, 1) static input buffer: each call copies the next token in
-        start = caches[0].length
-        self.pos = torch.full((1,), start, dtype=torch.long, device=token.device)
-        self.cache_len = self.pos + 1
-        for cache in caches:  # every layer reads the same two position tensors
-            cache.step_pos, cache.step_len = self.pos, self.cache_len
-        self.graph = None
-        if cuda_graph:
-            # Warm up on a side stream first, as CUDA graph capture requires: Triton compiles its
-            # kernels and cuBLAS picks its algorithms there, outside the capture. The warm-up writes
-            # this token's k, v, which the first replay rewrites identically; rewind the positions.
-            side = torch.cuda.Stream(device=token.device)
-            side.wait_stream(torch.cuda.current_stream(token.device))
-            with torch.cuda.stream(side):
-                self._forward()
-            torch.cuda.current_stream(token.device).wait_stream(side)
-            self.pos.fill_(start)
-            self.cache_len.fill_(start + 1)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._forward()  # (B, vocab) static output, refreshed by every replay
-
-    def _forward(self) -> torch.Tensor:
-        logits, _ = self.model(self.token, kv_caches=self.caches)
-        # advance on the device, inside the captured step: the next replay decodes one position on
-        self.pos.add_(1)
-        self.cache_len.add_(1)
-        return logits[:, -1, :]
-
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """token (B, 1) -> logits (B, vocab) for the position after it. With a graph these are its
-        static output buffer, valid until the next call: generate() samples from them before that."""
-        self.token.copy_(token)
-        if self.graph is None:
-            logits = self._forward()
-        else:
-            self.graph.replay()
-            logits = self.logits
-        for cache in self.caches:  # the host-side count, which generate() and GPT.forward's checks read
-            cache.length += 1
-        return logits
 
 
 class CausalSelfAttention(nn.Module):
@@ -284,7 +165,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(GenerationMixin, PretrainedMixin, nn.Module):
+    config_class = GPTConfig  # what from_pretrained builds
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -381,168 +264,3 @@ class GPT(nn.Module):
         # the fused kernel updates all parameters in a few launches instead of several per tensor, and skips the
         # update on the device when training/step.py's non-finite check says so (found_inf)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, use_cache=True,
-                 cuda_graph: bool | None = None):
-        """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
-
-        temperature=0 means greedy decoding (argmax), the same as top_k=1. Put the model in
-        eval() mode first if it has dropout.
-
-        use_cache=True: one forward over the prompt fills a KVCache per layer (the prefill), then
-        each step runs the newest token alone through a static-shape DecodeStep: the cache written
-        and read in place, the position a device tensor, attention by decode_attention.
-        cuda_graph (default: on when idx is on CUDA and use_cache) captures that step once in a
-        CUDA graph and replays it per token. use_cache=False re-runs the whole context every step.
-        All see the same context: past block_size tokens the learned positions run out, so each
-        step re-runs the last block_size tokens from position 0 (the cache is cleared and
-        refilled, and no decode step runs again), and from there on the cache saves nothing.
-
-        Sparse models: with a window, the cache is used but each step runs eagerly (the newest
-        token through attention() with the window, against the cache's last window keys) and
-        without a CUDA graph, since the static decode step has no window. A backend that attends whole
-        sequences only (attention.Backend.kv_cache False), and a doc_mask model, always run as use_cache=False.
-        """
-        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
-            raise ValueError(f"top_k must be a positive int or None (no top-k filtering), got {top_k!r}")
-        if not get_backend(self.config.attn).kv_cache or self.config.doc_mask:
-            use_cache = False  # it attends a whole sequence at once (or per document): no form for one new query
-        static_step = use_cache and not self.config.window  # decode_attention has no window
-        if cuda_graph is None:
-            cuda_graph = static_step and idx.device.type == "cuda"
-        if cuda_graph and not (static_step and idx.device.type == "cuda"):
-            raise ValueError(f"cuda_graph=True replays the static decode step on the GPU: it needs use_cache=True and "
-                             f"idx on a CUDA device, and a dense model without window (got use_cache={use_cache}, "
-                             f"device {idx.device}, window={self.config.window}, attn={self.config.attn!r}); "
-                             "leave cuda_graph=None to choose automatically")
-        block_size = self.config.block_size
-        max_len = min(block_size, idx.size(1) + max_new_tokens)
-        caches = [KVCache(max_len) for _ in self.transformer.h] if use_cache else None
-        decode_step = None  # built after the prefill, when the caches hold the prompt
-        for _ in range(max_new_tokens):
-            cached = caches and 0 < caches[0].length < block_size  # the caches hold the tokens before the newest
-            if cached and static_step:
-                if decode_step is None:
-                    decode_step = DecodeStep(self, caches, idx[:, -1:], cuda_graph)
-                logits = decode_step(idx[:, -1:])
-            elif cached:  # a window model: the newest token through attention() with the window
-                logits = self(idx[:, -1:], kv_caches=caches)[0][:, -1, :]
-            else:  # no cache, the first step, or a full context: crop, positions past block_size have no embedding
-                for cache in caches or []:
-                    cache.clear()
-                logits = self(idx[:, -block_size:], kv_caches=caches)[0][:, -1, :]  # only the last position predicts
-            if temperature == 0:  # logits: (B, vocab)
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth_largest, -math.inf)
-                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, attn: str = "sdpa", n_head: int | None = None, **settings) -> "GPT":
-        """OpenAI's GPT-2 weights by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl or 124M ... 1.5B,
-        through transformers), or a local HF-layout state dict (.safetensors, .bin, .pt). No weight shape reveals
-        a local file's n_head: it comes from the config.json beside it (as save_pretrained writes) or from
-        n_head=, and without either the load is refused rather than guessed. settings: GPTConfig's window and
-        attn_options, to run the dense weights with sparse attention (fine-tuning, say)."""
-        name, path = PRESET_ALIASES.get(str(name_or_path), str(name_or_path)), Path(name_or_path)
-        if name in PRESETS:
-            state_dict, n_head = _download_hf_state_dict(name), PRESETS[name]["n_head"]
-        elif path.is_file():
-            state_dict = _read_state_dict_file(path)
-            n_head = n_head or _n_head_beside(path)
-        else:
-            raise ValueError(f"{name_or_path!r} is neither a GPT-2 name ({', '.join([*PRESETS, *PRESET_ALIASES])}) "
-                             "nor an existing state dict file")
-        state_dict = _with_transformer_prefix(state_dict)
-        if "transformer.wte.weight" not in state_dict or "transformer.wpe.weight" not in state_dict:
-            raise ValueError(f"{name_or_path} holds no GPT-2 token and position embeddings (transformer.wte.weight, "
-                             "transformer.wpe.weight); pass a GPT-2 state dict in Hugging Face's layout")
-        vocab_size, n_embd = state_dict["transformer.wte.weight"].shape
-        n_layer = len({k.split(".")[2] for k in state_dict if k.startswith("transformer.h.")})
-        config = GPTConfig(block_size=state_dict["transformer.wpe.weight"].shape[0], vocab_size=vocab_size,
-                           n_layer=n_layer, n_head=n_head, n_embd=n_embd, attn=attn, **settings)
-        model = cls(config)
-        load_hf_state_dict(model, state_dict)
-        return model
-
-
-def _n_head_beside(path: Path) -> int:
-    """n_head from the HF config.json beside a weights file; refused without one (a guess from the head size
-    would load a 4-head model as 2 heads without a word)."""
-    config_file = path.parent / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json beside it, and n_head cannot be read off the weights; put the "
-                         "checkpoint's HF config.json beside it or pass n_head= (GPT.from_pretrained(path, n_head=12))")
-    try:
-        config = json.loads(config_file.read_text())
-        n_head = config.get("n_head", config.get("num_attention_heads"))
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise ValueError(f"{config_file} is not a JSON config ({err}); restore it or pass n_head=") from None
-    if not isinstance(n_head, int) or n_head < 1:
-        raise ValueError(f"{config_file} gives no n_head (got {n_head!r}); fix it or pass n_head=")
-    return n_head
-
-
-# HF's GPT-2 uses Conv1D layers, which store weights as (in, out); nn.Linear stores (out, in)
-_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# non-trainable buffers in older HF checkpoints (a causal mask and its fill value): nothing to load
-_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
-
-
-def _with_transformer_prefix(state_dict: dict) -> dict:
-    """GPT2Model checkpoints (as OpenAI's original upload) name keys h.0..., GPT2LMHeadModel's transformer.h.0..."""
-    return {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v for k, v in state_dict.items()}
-
-
-def load_hf_state_dict(model: GPT, state_dict: dict) -> None:
-    """Copy a Hugging Face GPT-2 state dict into model in place (shapes and names must match)."""
-    state_dict = {k: v for k, v in _with_transformer_prefix(state_dict).items() if not k.endswith(_HF_BUFFERS)}
-    state_dict.pop("lm_head.weight", None)  # tied to wte (save_pretrained often leaves it out)
-    ours = model.state_dict()
-    expected = set(ours) - {"lm_head.weight"}
-    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match the model: missing {sorted(missing)[:5]}, unexpected "
-                         f"{sorted(unexpected)[:5]}; HF GPT-2 weights need bias=True and the checkpoint's n_layer")
-    weights = {key: weight.t() if key.endswith(_CONV1D_WEIGHTS) else weight for key, weight in state_dict.items()}
-    for key, weight in weights.items():  # every shape checked before the first copy: no half-loaded model
-        if weight.shape != ours[key].shape:
-            raise ValueError(f"{key}: checkpoint shape {tuple(weight.shape)} != model shape "
-                             f"{tuple(ours[key].shape)}; build the model with the checkpoint's sizes (OpenAI's "
-                             "GPT-2 uses vocab_size=50257 and block_size=1024)")
-    with torch.no_grad():
-        for key, weight in weights.items():
-            ours[key].copy_(weight)
-
-
-def _download_hf_state_dict(name: str) -> dict:
-    try:
-        from transformers import GPT2LMHeadModel
-    except ImportError:
-        raise ImportError(f"loading {name!r} by name needs transformers: pip install transformers") from None
-    try:
-        return GPT2LMHeadModel.from_pretrained(name).state_dict()
-    except OSError as e:
-        raise OSError(f"could not fetch {name!r} from the Hugging Face Hub ({e}); when offline, download it "
-                      "elsewhere and pass the path of its model.safetensors or pytorch_model.bin instead") from e
-
-
-def _read_state_dict_file(path: Path) -> dict:
-    if path.suffix == ".safetensors":
-        try:
-            from safetensors.torch import load_file
-        except ImportError:
-            raise ImportError(f"reading {path} needs the safetensors package: pip install safetensors") from None
-        return load_file(path)
-    if path.suffix in (".bin", ".pt", ".pth"):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise ValueError(f"unsupported weights file {path}; expected .safetensors, .bin, .pt or .pth")
-

@@ -33,7 +33,8 @@ if not torch.cuda.is_available():
 
 from benchmarks.attention import DTYPES, comma_list
 from benchmarks.report import default_out_dir, environment, fmt, markdown_table, write_json
-from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
+from model import GPT, GPTConfig
+from pretrained import PRESET_ALIASES, PRESETS
 
 TOY = dict(n_layer=2, n_head=2, n_embd=32)  # head dim 16, the smallest the Triton kernel takes
 

@@ -1,4 +1,4 @@
-"""GPT.generate() with the KV cache: the same tokens and logits as re-running the whole context."""
+"""GPT.generate() with the KV cache (generation.py): the same tokens and logits as re-running the whole context."""
 import json
 
 import pytest
@@ -9,7 +9,8 @@ import model as model_module
 from attention import decode_attention
 from attention.reference.naive import naive_attention
 from benchmarks import generate as bench
-from model import GPT, DecodeStep, GPTConfig, KVCache
+from generation import DecodeStep, KVCache
+from model import GPT, GPTConfig
 
 # head dim 16: the smallest tl.dot takes; a small vocabulary keeps the interpreter quick
 TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)

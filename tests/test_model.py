@@ -1,5 +1,5 @@
-"""model.py: GPT-2's shapes and parameter counts, Hugging Face weights, every backend giving the same model, the
-attention settings of GPTConfig (window, a backend's options, sparsity) and what they change."""
+"""model.py: GPT-2's shapes and parameter counts, Hugging Face weights (pretrained.py), every backend giving the same
+model, the attention settings of GPTConfig (window, a backend's options, sparsity) and what they change."""
 import json
 import math
 import re
@@ -13,7 +13,9 @@ import model as model_module
 from attention.masks import causal_mask, window_mask
 from attention.moba.reference import moba_attention
 from attention.reference.naive import naive_attention
-from model import GPT, GPTConfig, load_hf_state_dict
+from generation import KVCache
+from model import GPT, GPTConfig
+from pretrained import load_hf_state_dict
 
 # tiny but with every feature: 2 layers, 3 heads of 16 channels (the smallest head tl.dot takes), GPT-2's vocabulary
 TINY = dict(block_size=16, vocab_size=50257, n_layer=2, n_head=3, n_embd=48)
@@ -422,7 +424,7 @@ def test_moba_model_generates_without_a_cache():
     out = model.generate(idx, 2, temperature=0)  # use_cache=True is overridden: MoBA has no one-query form
     assert torch.equal(out, model.generate(idx, 2, temperature=0, use_cache=False))
     with pytest.raises(ValueError, match="attn='moba' attends whole sequences only .* runs without KV caches"):
-        model(idx, kv_caches=[model_module.KVCache(8)])
+        model(idx, kv_caches=[KVCache(8)])
 
 
 def test_from_pretrained_weights_with_a_window(tmp_path):
@@ -470,7 +472,7 @@ def test_doc_mask_generate_runs_without_cache_and_matches_the_full_forward():
     for t in range(6, 10):  # each greedy token is the argmax of the full forward over what came before
         assert out[0, t] == model(out[:, :t])[0][0, -1].argmax()
     with pytest.raises(ValueError, match="without KV caches"):
-        model(idx, kv_caches=[model_module.KVCache(16) for _ in range(model.config.n_layer)])
+        model(idx, kv_caches=[KVCache(16) for _ in range(model.config.n_layer)])
 
 
 def test_doc_mask_needs_a_backend_with_masks():
