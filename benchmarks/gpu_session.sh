@@ -2,6 +2,7 @@
 # The GPU runs behind the README's tables, and the GPU tests: one or more stages per call of a GPU machine.
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
 # STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding | documents | moba | long_context
+#        | host | hf_step | tune | startup | versions
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
@@ -97,7 +98,49 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.generate --backends sdpa,triton --out_dir "$RESULTS/decoding" \
       2>&1 | log
     pack decoding ;;
-  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context" >&2
+  host)  # host time per eager call, ours beside cuDNN and FlashAttention-2 (tiny and GPT-2 shapes)
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.launch_overhead --out_dir "$RESULTS/host" 2>&1 | log
+    pack host ;;
+  hf_step)  # a Hugging Face Llama's eager training step, ours against sdpa
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.hf_step --out_dir "$RESULTS/hf_step" 2>&1 | log
+    pack hf_step ;;
+  tune)  # the tuner's choices for this GPU model, into attention/flash/tuned/ (and $OUT/tuned/), which the repo ships
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.tune 2>&1 | tail -3 | log
+    [ -n "${OUT:-}" ] && mkdir -p "$OUT/tuned" && cp attention/flash/tuned/*.json "$OUT/tuned/" ;;
+  startup)  # train.py to its 5th step, each backend with caches of its own: fresh (Triton's, Inductor's and our
+            # tuner's empty; our shipped choices in place), then again with them warm
+    shakespeare 2>&1 | log
+    mkdir -p "$RESULTS/startup"
+    for backend in sdpa triton; do
+      caches=$(mktemp -d)
+      for run in fresh second; do
+        start=$(date +%s.%N)
+        TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor NANOFLASH_CACHE_DIR=$caches/nanoflash \
+          timeout "$SECONDS_LEFT" python3 train.py configs/shakespeare.py --attn=$backend --max_steps=5 \
+          --out_dir="$caches/out" > "$RESULTS/startup/$backend-$run.log" 2>&1
+        seconds=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")
+        echo "$backend $run $seconds s" | tee -a "$RESULTS/startup/results.txt" | log
+      done
+    done
+    pack startup ;;
+  versions)  # the kernel grid and the compiled GPT-2 step in the checkout before the change (.gpu_carry/before/, a
+             # `git archive` of it) and in this one, side by side (benchmarks/versions.py)
+    shakespeare 2>&1 | log
+    cp -r data/shakespeare .gpu_carry/before/data/ 2>/dev/null
+    for tree in before after; do
+      dir=.; [ $tree = before ] && dir=.gpu_carry/before
+      (cd $dir && timeout "$SECONDS_LEFT" python3 -m benchmarks.attention --backends sdpa-cudnn,triton \
+        --seq_lens 1024,4096,16384 --out_dir "$OLDPWD/$RESULTS/versions/kernels-$tree" 2>&1 | grep -v "it/s]" | tail -3)
+      (cd $dir && timeout "$SECONDS_LEFT" python3 -m benchmarks.train_step configs/shakespeare.py --rounds 5 \
+        --steps 20 --profile_steps 0 --backends "sdpa,triton,triton-again:attn=triton" \
+        --out_dir "$OLDPWD/$RESULTS/versions/step-$tree" 2>&1 | tail -3)
+    done 2>&1 | log
+    python3 -m benchmarks.versions kernels $RESULTS/versions/kernels-{before,after}/results.json | tee \
+      $RESULTS/versions/kernels.md | log
+    python3 -m benchmarks.versions step $RESULTS/versions/step-{before,after}/results.json | tee \
+      $RESULTS/versions/step.md | log
+    pack versions ;;
+  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context|host|hf_step|tune|startup|versions" >&2
      exit 2 ;;
   esac
 done

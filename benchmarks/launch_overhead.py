@@ -1,15 +1,18 @@
-"""Host (CPU) time per attention call, layer by layer, next to the GPU time of the same call.
+"""Host (CPU) time per eager attention call: ours beside cuDNN's and FlashAttention-2's (both through sdpa), in one
+process, rounds rotating, medians, triton twice (an A/A pair: the run's own noise).
 
-A kernel whose host-side launch path takes longer than its GPU work leaves the GPU idle between
-calls: at small shapes (GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets the speed.
+A kernel whose host-side launch path takes longer than its GPU work leaves the GPU idle between calls: at small
+shapes (a tiny one, where GPU work is negligible, and GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets the speed.
 
-    python -m benchmarks.launch_overhead            # GPT-2 shape, bf16
-    python -m benchmarks.launch_overhead --timeline # where an eager forward+backward's host time goes, span by span
+    python -m benchmarks.launch_overhead                   # the table: host us per call, and do_bench us per call
+    python -m benchmarks.launch_overhead --out_dir DIR     # also DIR/results.json and DIR/results.md
+    python -m benchmarks.launch_overhead --timeline        # where an eager forward+backward's host time goes
+    python -m benchmarks.launch_overhead --profile         # cProfile's top functions of triton's forward+backward
 """
 import argparse
 import contextlib
 import cProfile
-import functools
+import io
 import pstats
 import statistics
 import sys
@@ -21,12 +24,11 @@ if __name__ == "__main__" and not __package__:
 
 import torch
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import attention, attention_qkvpacked
-from attention.flash import dispatch
-from attention.flash import tuner
-from attention.flash.autograd import FlashAttentionFunction, flash_attn_fwd
-
+from attention import attention
+from attention.flash.autograd import FlashAttentionFunction
+from benchmarks.report import environment, write_json
 
 def host_us(fn, calls=200) -> float:
     """Mean host time per call with the GPU kept busy, so no call waits for the device."""
@@ -109,88 +111,100 @@ def print_timelines(q, k, v, do, rounds: int = 2) -> None:
                 print(f"| {backend} | {'device' if threaded else 'calling'} | {round_} | " + " | ".join(cells) + " |")
 
 
-def main():
+SHAPES = {"tiny": (1, 1, 128, 64), "gpt2": (16, 12, 1024, 64)}  # B, nh, T, hs: bf16, causal
+# backend label -> (attention backend, the sdpa kernel it is held to)
+BACKENDS = {"triton": ("triton", None), "triton-again": ("triton", None),
+            "cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION), "fa2": ("sdpa", SDPBackend.FLASH_ATTENTION)}
+
+
+def make_call(backend: str, kernel, q, k, v, do, grad: bool):
+    """One eager call as a user makes it: attention() alone, or attention() then torch.autograd.grad."""
+    context = (lambda: sdpa_kernel(kernel)) if kernel is not None else contextlib.nullcontext
+
+    def call():
+        with context():
+            if not grad:
+                with torch.no_grad():
+                    attention(q, k, v, causal=True, backend=backend)
+            else:
+                torch.autograd.grad(attention(q, k, v, causal=True, backend=backend), (q, k, v), do)
+    return call
+
+
+def measure(shapes: dict, rounds: int) -> list[dict]:
+    """-> a row per (shape, pass, backend): median host us per call over rounds (backends in rotating order) and
+    do_bench's median us per call (GPU-clocked wall time of back-to-back calls: what the slower of host and GPU
+    gives)."""
+    rows = []
+    for shape_name, (B, nh, T, hs) in shapes.items():
+        qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in qkv.unbind(2))  # (B, nh, T, hs) views
+        do = torch.randn(B, nh, T, hs, device="cuda", dtype=torch.bfloat16)
+        for grad in (False, True):
+            calls = {name: make_call(backend, kernel, q, k, v, do, grad)
+                     for name, (backend, kernel) in BACKENDS.items()}
+            host = {name: [] for name in calls}
+            for r in range(rounds):
+                names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+                for name in names:
+                    host[name].append(host_us(calls[name]))
+            for name, call in calls.items():
+                rows.append(dict(shape=shape_name, B=B, nh=nh, T=T, hs=hs, pass_="fwd+bwd" if grad else "fwd",
+                                 backend=name, host_us=statistics.median(host[name]),
+                                 bench_us=1e3 * triton.testing.do_bench(call, return_mode="median")))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | pass | " + " | ".join(BACKENDS) + " | triton / cuDNN (host) | cuDNN / triton (do_bench) |",
+             "|---" * (len(BACKENDS) + 4) + "|"]
+    for (shape, pass_) in dict.fromkeys((r["shape"], r["pass_"]) for r in rows):
+        cells = {r["backend"]: r for r in rows if (r["shape"], r["pass_"]) == (shape, pass_)}
+        host = " | ".join(f"{cells[name]['host_us']:.0f} ({cells[name]['bench_us']:.0f})" for name in BACKENDS)
+        lines.append(f"| {shape} | {pass_} | {host} | {cells['triton']['host_us'] / cells['cudnn']['host_us']:.2f} | "
+                     f"{cells['cudnn']['bench_us'] / cells['triton']['bench_us']:.2f}x |")
+    return "\n".join(lines)
+
+
+def profile(q, k, v, do) -> None:
+    """cProfile's top functions of triton's eager forward+backward, the backward on the calling thread (cProfile sees
+    one thread)."""
+    call = make_call("triton", None, q, k, v, do, grad=True)
+    with torch.autograd.set_multithreading_enabled(False):
+        call()
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [call() for _ in range(200)])
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    print(out.getvalue())
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="16,12,1024,64", help="B,nh,T,hs")
-    p.add_argument("--profile", action="store_true",
-                   help="also print torch.profiler's table and cProfile's top Python functions of triton fwd+bwd")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out_dir", default=None, help="write results.json and results.md here")
+    p.add_argument("--profile", action="store_true", help="cProfile's top functions of triton at the tiny shape")
     p.add_argument("--timeline", action="store_true",
-                   help="only the span-by-span host timeline of an eager forward+backward, triton and sdpa")
-    args = p.parse_args()
-    B, nh, T, hs = map(int, args.shape.split(","))
-    q, k, v = (torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16).unbind(2))
-    q, k, v = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))  # (B, nh, T, hs) views, as in the model
-    scale = hs ** -0.5
-    o, lse = dispatch.forward(q.detach(), k.detach(), v.detach(), True, scale)
-    do = torch.randn_like(o)
-    if args.timeline:
-        print(f"B={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}: median host us per span")
-        print_timelines(q, k, v, do)
+                   help="only the span-by-span host timeline of an eager forward+backward at GPT-2's shape")
+    args = p.parse_args(argv)
+    if args.timeline or args.profile:
+        B, nh, T, hs = SHAPES["gpt2" if args.timeline else "tiny"]
+        q, k, v = (torch.randn(B, nh, T, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        if args.timeline:
+            print(f"B={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}: median host us per span")
+            print_timelines(q, k, v, do)
+        else:
+            profile(q, k, v, do)
         return
-
-    def fwd_bwd(backend):
-        def run():
-            attention(q, k, v, causal=True, backend=backend).backward(do)
-        return run
-
-    with torch.no_grad():
-        cases = {
-            "dispatch.forward (launch only)": lambda: dispatch.forward(q, k, v, True, scale),
-            "operator nanoflash::flash_attn_fwd": lambda: flash_attn_fwd(q, k, v, True, scale),
-            "attention(backend=triton), no grad": lambda: attention(q, k, v, backend="triton"),
-            "attention(backend=sdpa), no grad": lambda: attention(q, k, v, backend="sdpa"),
-        }
-        rows = [(name, host_us(fn), triton.testing.do_bench(fn, return_mode="median") * 1e3) for name, fn in cases.items()]
-    rows.append(("dispatch.backward (launch only)", host_us(lambda: dispatch.backward(do, q, k, v, o, lse, True, scale)),
-                 triton.testing.do_bench(lambda: dispatch.backward(do, q, k, v, o, lse, True, scale), return_mode="median") * 1e3))
-    for backend in ("triton", "sdpa"):
-        fn = fwd_bwd(backend)
-        rows.append((f"fwd+bwd autograd, {backend}", host_us(fn), triton.testing.do_bench(fn, grad_to_none=[q, k, v], return_mode="median") * 1e3))
-    # the backward alone as benchmarks/attention.py times it: autograd.grad of one kept forward, on autograd's
-    # worker thread (as in training) and on the calling thread
-    for backend in ("triton", "sdpa"):
-        out = attention(q, k, v, causal=True, backend=backend)
-        fn = functools.partial(torch.autograd.grad, out, (q, k, v), do, retain_graph=True)
-        for threaded in (True, False):
-            with torch.autograd.set_multithreading_enabled(threaded):
-                rows.append((f"bwd autograd.grad, {backend}, {'worker' if threaded else 'calling'} thread",
-                             host_us(fn), triton.testing.do_bench(fn, return_mode="median") * 1e3))
-    # as a compiled model calls it: torch.compile'd, on the (B, T, 3, nh, hs) view of a fused projection
-    qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    compiled_fwd_bwd = {}
-    for backend in ("triton", "sdpa"):
-        compiled = torch.compile(functools.partial(attention_qkvpacked, backend=backend), fullgraph=True)
-        fn = compiled_fwd_bwd[backend] = functools.partial(lambda compiled: compiled(qkv).backward(do), compiled)
-        rows.append((f"fwd+bwd compiled, packed qkv, {backend}", host_us(fn),
-                     triton.testing.do_bench(fn, grad_to_none=[qkv], return_mode="median") * 1e3))
-
-    if args.profile:
-        for name, fn in (("eager", fwd_bwd("triton")), ("compiled", compiled_fwd_bwd["triton"])):
-            # cProfile sees one thread: run the backward on this one (autograd uses a worker thread per GPU)
-            with torch.autograd.set_multithreading_enabled(False):
-                print(f"triton fwd+bwd {name}, autograd on the calling thread: {host_us(fn):.0f} host us/call")
-                profiler = cProfile.Profile()
-                profiler.runcall(lambda: [fn() for _ in range(100)])
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
-        out = attention(q, k, v, causal=True, backend="triton")
-        with torch.autograd.set_multithreading_enabled(False):
-            profiler = cProfile.Profile()
-            profiler.runcall(lambda: [torch.autograd.grad(out, (q, k, v), do, retain_graph=True) for _ in range(100)])
-        print("triton bwd autograd.grad, calling thread")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
-        fn = fwd_bwd("triton")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-
-    print("tuner's choices:", tuner.best_tile, tuner.best_backward)
-    print(f"\nB={B} nh={nh} T={T} hs={hs} bf16 causal, {torch.cuda.get_device_name()}")
-    print("| call | host us/call | do_bench us |\n|---|---|---|")
-    for name, host, gpu in rows:
-        print(f"| {name} | {host:.0f} | {gpu:.0f} |")
+    rows = measure(SHAPES, args.rounds)
+    text = (f"{torch.cuda.get_device_name()}, bf16 causal, eager; host us per call (do_bench us per call), medians of "
+            f"{args.rounds} rotating rounds; triton-again: the A/A pair\n\n{table(rows)}")
+    print(text)
+    if args.out_dir:
+        write_json(Path(args.out_dir) / "results.json", {"env": environment(torch.device("cuda")), "rows": rows})
+        (Path(args.out_dir) / "results.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_
                "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
 
 
-def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
+def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
                window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
                max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
@@ -40,20 +40,20 @@ def _mask_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None,
     return dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
 
 
-def _flat(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None) -> tuple:
+def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
             mask.spans, *(varlen or (None, None, 0, 0)))
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
-    mask, varlen = _mask_args(*mask)
+    mask, varlen = _from_op_args(*mask)
     return dispatch.forward(q, k, v, causal, scale, mask, varlen)
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
-    if _mask_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
+    if _from_op_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
         return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
     B, Hq, Tq, D = q.shape
     return dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
@@ -65,12 +65,12 @@ flash_attn_fwd = define_op(
 
 
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
-    mask, varlen = _mask_args(*mask)
+    mask, varlen = _from_op_args(*mask)
     return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
-    if _mask_args(*mask)[1] is not None:
+    if _from_op_args(*mask)[1] is not None:
         return tuple(t.new_empty(t.shape) for t in (q, k, v))
     return tuple(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
 
@@ -82,7 +82,7 @@ flash_attn_bwd = define_op(
 
 
 def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
-    return _packed_backward(do, qkv, o, lse, causal, scale, _mask_args(*mask)[0])
+    return _packed_backward(do, qkv, o, lse, causal, scale, _from_op_args(*mask)[0])
 
 
 def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
@@ -95,26 +95,32 @@ flash_attn_bwd_qkvpacked = define_op(
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
-def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs) -> torch.Tensor:
+def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs,
+                     forward_key: tuple | None = None) -> torch.Tensor:
     """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
     dqkv = qkv.new_empty(qkv.shape)
-    dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv))
+    dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv),
+                      forward_key=forward_key)
     return dqkv
 
 
-def _fwd(q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-    # Under torch.compile the op keeps the kernel one opaque node with a fake impl. In eager mode the
-    # launcher is called directly, without the dispatcher's round trip: at small shapes every microsecond
-    # of host time per call shows (benchmarks/launch_overhead.py).
+def _fwd(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
+    """The forward, and ctx.plan_key for the backward's plan (dispatch.forward_key). Under torch.compile the op keeps
+    the kernel one opaque node with a fake impl. In eager mode the launch plan is called directly, without the
+    dispatcher's round trip: at small shapes every microsecond of host time per call shows
+    (benchmarks/launch_overhead.py)."""
     if torch.compiler.is_compiling():
-        return flash_attn_fwd(q, k, v, causal, scale, *_flat(mask, varlen))
-    return dispatch.forward(q, k, v, causal, scale, mask, varlen)
+        ctx.plan_key = None
+        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen))
+    ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key)
 
 
-def _bwd(do, q, k, v, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
+def _bwd(ctx, do, q, k, v, o, lse, varlen=None):
     if torch.compiler.is_compiling():  # as in _fwd
-        return flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *_flat(mask, varlen))
-    return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
+        return flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask, varlen))
+    return dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=varlen,
+                             forward_key=ctx.plan_key)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -123,7 +129,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-        o, lse = _fwd(q, k, v, causal, scale, mask, varlen)
+        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
@@ -133,7 +139,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.varlen)
+        dq, dk, dv = _bwd(ctx, do, q, k, v, o, lse, ctx.varlen)
         return dq, dk, dv, None, None, None, None
 
 
@@ -145,7 +151,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs):
-        o, lse = _fwd(*unpack_qkv(qkv), causal, scale, mask)
+        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask)
         ctx.save_for_backward(qkv, o, lse)
         ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
         ctx.mark_non_differentiable(lse)
@@ -156,9 +162,9 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         qkv, o, lse = ctx.saved_tensors
         if torch.compiler.is_compiling():  # as in _fwd
-            dqkv = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *_flat(ctx.mask))
+            dqkv = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask))
         else:
-            dqkv = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask)
+            dqkv = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key)
         return dqkv, None, None, None
 
 

@@ -26,7 +26,7 @@ import triton
 from .hopper import backward as hopper_backward
 from .hopper import forward as hopper_forward
 from .hopper.shapes import FORWARD_TILES, document_tiles
-from .launch import remember
+from .launch import planned, remember
 from .tl_backward import attn_bwd_dkdv, attn_bwd_dq
 from .tl_forward import attn_fwd
 from .device import INTERPRET, has_tma
@@ -129,7 +129,7 @@ def _tiles_divide(mask: MaskArgs) -> int | None:
     return mask.block_size if mask.kv_blocks is not None else None  # a sparse call's tiles walk its blocks
 
 
-def _mask_args(mask: MaskArgs, lists: torch.Tensor | None, Tq: int, Tk: int) -> tuple:
+def _block_list_args(mask: MaskArgs, lists: torch.Tensor | None, Tq: int, Tk: int) -> tuple:
     """The kernels' mask arguments (BLOCKS ... TILE_BITS) for one block list (kv or q direction)."""
     left, right = mask.window or (-1, -1)
     unbounded = Tq + Tk  # -1: farther than any key can be from any query
@@ -190,10 +190,17 @@ def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
         remember(_plans, key, again)
 
 
-def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE,
-            varlen: Varlen | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward_key(causal: bool, mask: MaskArgs, varlen: Varlen | None, q, k, v) -> tuple | None:
+    """The forward's plan key (_plan_key), which the autograd Function keeps for its backward: the backward's own key
+    is then this one and dO's layout, as everything else it reads or allocates follows from the forward's."""
+    return _plan_key("fwd", causal, mask, varlen, q, k, v, *_cu_seqlens(varlen))
+
+
+def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE, varlen: Varlen | None = None,
+            key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
-    that see no key). varlen (§14): out (total_q, Hq, D), lse (Hq, total_q)."""
+    that see no key). varlen (§14): out (total_q, Hq, D), lse (Hq, total_q). key: forward_key's, if the caller has
+    it."""
     if varlen is None:
         B, Hq, Tq, D = q.shape
         o = empty_bthd(B, Hq, Tq, D, q)
@@ -202,7 +209,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE,
         o = q.new_empty(q.shape)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     seqs = _cu_seqlens(varlen)
-    key = _plan_key("fwd", causal, mask, varlen, q, k, v, *seqs)
+    key = key or forward_key(causal, mask, varlen, q, k, v)
     _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen), q, k, v, o, lse, scale, *seqs)
     return o, lse
 
@@ -211,7 +218,7 @@ def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen 
     """attn_fwd's arguments, up to the constexprs."""
     Hq, Hkv, Tq, Tk = q.shape[1], k.shape[1], _rows(q, varlen), _rows(k, varlen)
     return (q, k, v, o, lse, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
-            Hq, Hq // Hkv, Tq, Tk, scale, *_mask_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen))
+            Hq, Hq // Hkv, Tq, Tk, scale, *_block_list_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen))
 
 
 def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None) -> Callable:
@@ -228,18 +235,21 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
         if HOPPER_MODE == "1":
             return hopper_forward.forward(*call, causal, scale, tiles[0], documents).again  # (documents: no plan kept)
         hopper = (tiles, lambda tile: hopper_forward.forward(*call, causal, scale, tile, documents),
-                  (*call, scale, documents))
+                  (*call, scale, *(documents or ())))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = varlen is None and use_tma(q, k, v, o)
-    choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-                                    _forward_args(q, k, v, o, lse, scale, mask, varlen),
+    args = _forward_args(q, k, v, o, lse, scale, mask, varlen)
+    choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
                                     _constants(q, causal, mask, varlen), Tq, Tk, q.dtype, _tiles_divide(mask),
                                     loads=("tma", "pointers") if tma else ("pointers",), hopper=hopper)
     if choice[1] == "hopper":
         return launched.again  # calls with documents keep no plan (_plan_key), so only dense ones repeat it
+    plan = None if tma else planned(launched.again, args, (q, k, v, o, lse, scale, *_cu_seqlens(varlen)))
+    if plan is not None:
+        return plan
 
-    def again(q, k, v, o, lse, scale, *seqs):
+    def again(q, k, v, o, lse, scale, *seqs):  # descriptor loads (their scratch allocator), or inputs that alias
         if tma:
             use_scratch_allocator()
         launched.again(*_forward_args(q, k, v, o, lse, scale, mask, varlen and Varlen(*seqs, *varlen[2:])))
@@ -247,9 +257,11 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
-             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, varlen: Varlen | None = None):
+             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, varlen: Varlen | None = None,
+             forward_key: tuple | None = None):
     """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
-    one packed gradient, see flash/autograd.py), by default new ones."""
+    one packed gradient, see flash/autograd.py), by default new ones. forward_key: the key of the forward that made
+    o and lse (the autograd Function's), which with dO's layout keys the backward's plan."""
     if grads is not None:
         dq, dk, dv = grads
     elif varlen is None:
@@ -259,7 +271,11 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     else:
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     seqs = _cu_seqlens(varlen)
-    key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs)
+    if forward_key is not None:
+        key = ("bwd", forward_key, grads is not None, torch.are_deterministic_algorithms_enabled(), do.shape,
+               do.stride(), do.dtype, do.data_ptr() % 16 == 0)
+    else:
+        key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs)
     _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
              do, q, k, v, o, lse, dq, dk, dv, scale, *seqs)
     return dq, dk, dv
@@ -313,9 +329,9 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
         strides = [_strides(t, varlen) for t in (q, k, v, o, do, dq, dk, dv)]
         sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
         return ((q, k, v, o, do, dq, lse, delta, *sq, *sk, *sv, *so, *sdo, *sdq, *seq_args,
-                 *_mask_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call)),
+                 *_block_list_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call)),
                 (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
-                 *_mask_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call)))
+                 *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call)))
     dq_args, dkdv_args = args(do, q, k, v, o, lse, dq, dk, dv, scale, *_cu_seqlens(varlen))
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready

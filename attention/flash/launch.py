@@ -17,10 +17,15 @@ Working out the key still costs host time (~45 arguments, descriptors among them
 next calls specialise as this one did (dispatch.py's launch plans: same shapes, strides, dtype and alignment) skips
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key.
 """
+import copy
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import triton
+from triton import knobs
+from triton.backends.nvidia import driver as nvidia_driver
 
 from .device import INTERPRET
 
@@ -78,7 +83,113 @@ def launch(fn, grid: tuple, args: tuple, **constants) -> Launched:
     compiled = fn[grid](*args, **constants)
     # CompiledKernel[grid] takes every parameter positionally, the constexprs too (or their defaults)
     constexprs = tuple(constants.get(param.name, param.default) for param in fn.params[len(args):])
-    launcher = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-    kept = Launched(compiled, lambda *args: launcher(*args, *constexprs))
+    kept = Launched(compiled, BoundLaunch(compiled, tuple(grid) + (1,) * (3 - len(grid)), args, constexprs))
     remember(_launches, key, kept)
     return kept
+
+
+def planned(again: Callable, first_args: tuple, inputs: tuple) -> Callable | None:
+    """-> run(*values): again(*first_args) with each place that held inputs[i] (or a descriptor of it) taking values[i]:
+    a launch plan whose per-call work is the inputs' places alone (dispatch.py). None where two inputs are one object
+    (the first call cannot tell their places apart). The plan keeps no input of the first call alive."""
+    where = {id(x): i for i, x in enumerate(inputs)}
+    if len(where) < len(inputs):
+        return None
+    places = [(j, where[id(arg.base if is_descriptor(arg) else arg)]) for j, arg in enumerate(first_args)
+              if id(arg.base if is_descriptor(arg) else arg) in where]
+    template = [None if any(j == place for place, _ in places) else arg for j, arg in enumerate(first_args)]
+
+    def run(*values):
+        args = template.copy()
+        for j, i in places:
+            args[j] = values[i]
+        again(*args)
+    return run
+
+
+def is_descriptor(arg) -> bool:
+    """A host-side tensor descriptor (Gluon's or Triton's TensorDescriptor): the tensor it reads is its base."""
+    return hasattr(arg, "block_shape") and hasattr(arg, "base")
+
+
+def rebased(desc, t: torch.Tensor | None):
+    """desc reading t instead: for a tensor of desc's dtype, shape, strides and alignment (a launch key or a plan key
+    promises them), without the checks a descriptor's construction runs (host time on every call), which desc
+    already passed. t None: a template that keeps no tensor alive."""
+    aimed = copy.copy(desc)  # a shallow copy: no __init__, so no checks
+    aimed.base = t
+    return aimed
+
+
+class BoundLaunch:
+    """One compiled kernel on one grid, launched again on new arguments that specialise as the first call's did.
+
+    A descriptor's place may take the tensor it reads instead: its layout, block, shape and strides are the first
+    call's there. Where Triton's launcher is the one this was written against (Triton 3.6's CUDA launcher), the
+    launch goes straight to its compiled C function: no Python launcher layers per call, and each descriptor's
+    encoding (the copy engine's 128-byte tensor map, §9) made once per address and kept, not on every launch as
+    Triton does. Anywhere else, and while a launch hook is set (a profiler's), it goes through CompiledKernel[grid].
+    """
+
+    def __init__(self, compiled, grid: tuple, first_args: tuple, constexprs: tuple):
+        self.constexprs = constexprs
+        self.templates = {i: rebased(arg, None) for i, arg in enumerate(first_args) if is_descriptor(arg)}
+        self.runner = compiled[grid]
+        self.direct = direct_launcher(compiled, grid, self.templates)
+
+    def __call__(self, *args):
+        if self.direct is not None and knobs.runtime.launch_enter_hook is None:
+            self.direct(args, self.constexprs)
+            return
+        if self.templates:
+            args = list(args)
+            for i, template in self.templates.items():
+                if isinstance(args[i], torch.Tensor):
+                    args[i] = rebased(template, args[i])
+        self.runner(*args, *self.constexprs)
+
+
+def stream_getter() -> Callable:
+    """device -> the raw handle of its current stream (PyTorch's, which Triton's driver reads), as Triton launches on."""
+    return triton.runtime.driver.active.get_current_stream
+
+
+MAPS_PER_PLACE = 16  # tensor maps kept per descriptor place: the addresses a training loop cycles through
+
+
+def direct_launcher(compiled, grid: tuple, templates: dict) -> Callable | None:
+    """-> launch(args, constexprs) calling Triton 3.6's compiled C launcher itself, or None where Triton's launch
+    path is another (other versions: a None here only costs the Python layers), or the kernel needs scratch memory
+    that Triton's launcher allocates per launch."""
+    run = compiled.run
+    if (getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or not hasattr(run, "launch")
+            or run.global_scratch_size or run.profile_scratch_size):
+        return None
+    c_launch, metas = run.launch, {}
+    if templates:  # run.launch wraps the C launcher in wrap_handle_tensordesc's encoding of every descriptor
+        wrapped = inspect.getclosurevars(run.launch).nonlocals
+        if not {"launcher", "tensordesc_meta"} <= set(wrapped):
+            return None
+        c_launch = wrapped["launcher"]
+        metas = dict(zip(sorted(templates), wrapped["tensordesc_meta"] or [None] * len(templates)))
+    places = sorted(templates, reverse=True)  # spliced from the last, so earlier places keep their index
+    maps = {i: {} for i in templates}
+    device, stream_of = torch.cuda.current_device(), stream_getter()
+    head = (*grid, None, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None)
+
+    def tensor_map(i, arg):
+        t = arg if isinstance(arg, torch.Tensor) else arg.base
+        kept = maps[i].get(t.data_ptr())
+        if kept is None:
+            if len(maps[i]) >= MAPS_PER_PLACE:
+                maps[i].clear()
+            kept = maps[i][t.data_ptr()] = nvidia_driver.make_tensordesc_arg(rebased(templates[i], t), metas[i])
+        return kept
+
+    def launch_direct(args, constexprs):
+        args = [*args, *constexprs]
+        for i in places:
+            args[i:i + 1] = tensor_map(i, args[i])
+        c_launch(head[0], head[1], head[2], stream_of(device), *head[4:], *args)
+    return launch_direct

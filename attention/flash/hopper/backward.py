@@ -21,7 +21,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
 
     from .gluon_backward import ROW_LAYOUT, attn_bwd_ws, dq_cols
-    from .gluon_common import descriptor, document_args, rebased, shared_layout
+    from .gluon_common import descriptor, document_args, shared_layout
 
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
@@ -153,31 +153,23 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
     # DK, DV: the gradients, or with a staged tile descriptors of (1, 1, 64, D) blocks swizzled as the K and V rows
-    # they are staged in (templates, re-aimed at each call's tensors)
+    # they are staged in
     stages, staged = tile
-    dkdv_descs = [rebased(descriptor(t, KEYS.value, swizzle=D), None) for t in (dk, dv)] if staged else []
-
-    def dkdv(dk, dv):
-        return tuple(rebased(desc, t) for desc, t in zip(dkdv_descs, (dk, dv))) if staged else (dk, dv)
+    dkdv = [descriptor(t, KEYS.value, swizzle=D) for t in (dk, dv)] if staged else [dk, dv]
     sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
-    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, *rows_args[:4], *dkdv(dk, dv), *grad_strides,
+    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides,
                                                   rows_args[4], *sources, *sizes_main, scale,
                                                   *document_args(documents)),
                         STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
     first_finish = finish_dq(dq_acc, dq, T_pad, scale)
-    # again keeps the descriptors' layouts, not this call's tensors (the float32 dQ buffer alone is B*Hq*Tq*D*4 bytes)
-    k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc = (
-        rebased(desc, None) for desc in (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dq_desc))
-
+    # again keeps no tensor of this call: each descriptor's place takes its tensor (launch.BoundLaunch)
     def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
         lse_row, delta_row, dq_acc = buffers()
         first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
-        first_main.again(rebased(k_desc, k), rebased(v_desc, v), rebased(q_desc, q), rebased(do_desc, do),
-                         rebased(lse_desc, lse_row), rebased(delta_desc, delta_row), *dkdv(dk, dv), *grad_strides,
-                         rebased(dq_desc, dq_acc), *sources, *sizes_main, scale,
+        first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main, scale,
                          *document_args(documents))
         first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
     return Launched(first_main.compiled, again)

@@ -13,11 +13,11 @@ import torch
 import triton
 
 from ..device import HAS_GLUON, INTERPRET, is_hopper, sm_count
-from ..launch import Launched, launch
+from ..launch import Launched, launch, planned
 from .shapes import FORWARD_TILES, REGS, ROWS, HopperForwardTile
 
 if HAS_GLUON:
-    from .gluon_common import descriptor, document_args, rebased
+    from .gluon_common import descriptor, document_args
     from .gluon_forward import attn_fwd_ws
 
 
@@ -52,7 +52,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
     row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
     numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
-    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, documents), the
+    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *documents), the
     same launch for tensors shaped, strided and aligned like these (None for a gathered problem)."""
     B, Hq, Tq, _ = o.shape  # the problem's query rows
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -75,15 +75,14 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
-    first = launch(attn_fwd_ws, (programs,), (*descriptors, o, lse, *sizes, scale, n_work, per_turn,
-                                              *document_args(documents), *gathered),
-                   BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                   CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
+    args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered)
+    first = launch(attn_fwd_ws, (programs,), args, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
+                   CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     if row_src is not None:
         return Launched(first.compiled, None)
-    q_desc, k_desc, v_desc, o_desc = (rebased(desc, None) for desc in descriptors)  # again keeps no tensor alive
-
-    def again(q, k, v, o, lse, scale, documents=None):
-        first.again(rebased(q_desc, q), rebased(k_desc, k), rebased(v_desc, v), rebased(o_desc, o), o, lse,
-                    *sizes, scale, n_work, per_turn, *document_args(documents), *gathered)
-    return Launched(first.compiled, again)
+    plan = planned(first.again, args, (q, k, v, o, lse, scale, *(documents or ())))
+    if plan is None:  # inputs that alias: each call's arguments anew (each descriptor's place takes its tensor)
+        def plan(q, k, v, o, lse, scale, *documents):
+            first.again(q, k, v, o, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents or None),
+                        *gathered)
+    return Launched(first.compiled, plan)

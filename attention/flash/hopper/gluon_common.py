@@ -96,15 +96,6 @@ def descriptor(t: torch.Tensor, rows: int, swizzle: int | None = None) -> "Tenso
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), shared_layout(block, t.dtype, swizzle))
 
 
-def rebased(desc: "TensorDescriptor", t: torch.Tensor) -> "TensorDescriptor":
-    """desc reading t instead: for a tensor of desc's dtype, shape, strides and alignment (a launch plan's key
-    promises them, flash/dispatch.py), without the checks TensorDescriptor runs on construction (host time on every
-    call), which desc already passed. t None: a template that keeps no tensor alive."""
-    copy = object.__new__(TensorDescriptor)
-    copy.__dict__.update(desc.__dict__, base=t)
-    return copy
-
-
 def document_args(documents: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
     """The kernels' SPANS, IDS, stride_ids for documents (spans, ids) (§14), or None, None, 0."""
     spans, ids = documents or (None, None)
