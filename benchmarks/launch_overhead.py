@@ -27,7 +27,6 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
-from attention.flash.autograd import FlashAttentionFunction
 from benchmarks.report import environment, write_json
 
 def host_us(fn, calls=200) -> float:
@@ -56,6 +55,8 @@ SPANS = (("call -> Function.forward", "call", "fwd in"), ("Function.forward", "f
 @contextlib.contextmanager
 def marked_function(marks: dict):
     """FlashAttentionFunction with perf_counter marks (SPANS' names) at its forward's and backward's entry and exit."""
+    from attention.flash.autograd import FlashAttentionFunction  # only here: the table runs on older checkouts too
+
     plain_forward, plain_backward = FlashAttentionFunction.forward, FlashAttentionFunction.backward
 
     def marked(method, enter, leave):
