@@ -146,26 +146,10 @@ def test_forgetting_the_plans_makes_the_next_call_take_the_whole_path(monkeypatc
     assert torch.equal(first[0], first[1]) and taken == ["_forward_plan"] * 2
 
 
-# --- BoundLaunch: a kept kernel launched again (on the GPU; here with a fake compiled kernel) ----------------------
-class FakeRun:
-    """What BoundLaunch reads of Triton 3.6's CudaLauncher; launch: the C launcher as wrap_handle_tensordesc wraps it
-    when the kernel takes descriptors."""
-    global_scratch_size = profile_scratch_size = 0
-    launch_cooperative_grid = launch_pdl = False
-
-    def __init__(self, c_launch, metas):
-        launcher, tensordesc_meta = c_launch, metas
-
-        def inner(*args):  # the closure's variables are what BoundLaunch looks for
-            return launcher, tensordesc_meta
-        self.launch = inner
-
-
+# --- a kept kernel launched again (on the GPU; here with a fake compiled kernel) -----------------------------------
 class FakeCompiled:
-    function, packed_metadata = "function", "metadata"
-
-    def __init__(self, run=None):
-        self.run, self.launched = run, []
+    def __init__(self):
+        self.launched = []
 
     def __getitem__(self, grid):
         return lambda *args: self.launched.append((grid, args))
@@ -176,44 +160,15 @@ def fake_descriptor(t):
                                  strides=list(t.stride()))
 
 
-def test_bound_launch_through_triton_takes_a_tensor_in_a_descriptors_place(monkeypatch):
-    # the generic path (another Triton than the one the direct path knows): descriptors re-aimed at the new tensors
+def test_bound_launch_takes_a_tensor_in_a_descriptors_place():
     from attention.flash.launch import BoundLaunch
     a, b = torch.randn(16, 8), torch.randn(16, 8)
-    compiled = FakeCompiled(run=types.SimpleNamespace(global_scratch_size=0, profile_scratch_size=0))
+    compiled = FakeCompiled()
     bound = BoundLaunch(compiled, (2, 1, 1), (fake_descriptor(a), a, 7), ("K",))
-    assert bound.direct is None
+    assert bound.templates[0].base is None  # the template keeps no tensor alive
     bound(b, b, 7)
     (grid, (desc, tensor, n, constexpr)), = compiled.launched
     assert grid == (2, 1, 1) and desc.base is b and desc.block_shape == [4, 8] and (tensor, n, constexpr) == (b, 7, "K")
-
-
-def test_bound_launch_calls_the_c_launcher_and_encodes_each_address_once(monkeypatch):
-    from attention.flash import launch as launch_module
-    encoded, calls = [], []
-
-    def make_tensordesc_arg(desc, meta):
-        encoded.append(desc.base.data_ptr())
-        return [("map", desc.base.data_ptr(), meta), *desc.shape, *desc.strides]
-    monkeypatch.setattr(launch_module, "nvidia_driver", types.SimpleNamespace(
-        _BASE_ARGS_FORMAT="iiiKKppOOOOOO", make_tensordesc_arg=make_tensordesc_arg))
-    monkeypatch.setattr(launch_module, "stream_getter", lambda: lambda device: 99)
-    hooks = types.SimpleNamespace(launch_enter_hook=None)  # Triton 3.6's: no hook unless a profiler sets one
-    monkeypatch.setattr(launch_module, "knobs", types.SimpleNamespace(runtime=hooks))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    a, b = torch.randn(16, 8), torch.randn(16, 8)
-    compiled = FakeCompiled(FakeRun(lambda *args: calls.append(args), ["meta"]))
-    bound = launch_module.BoundLaunch(compiled, (3, 1, 1), (a, fake_descriptor(a), 5), ("K",))
-    assert bound.direct is not None
-    for t in (a, b, a, b):
-        bound(t, t, 5)
-    head = (3, 1, 1, 99, "function", False, False, None, None, "metadata", None, None, None)
-    assert calls[0] == (*head, a, ("map", a.data_ptr(), "meta"), 16, 8, 8, 1, 5, "K")
-    assert calls[1][len(head) + 1] == ("map", b.data_ptr(), "meta") and len(calls) == 4
-    assert encoded == [a.data_ptr(), b.data_ptr()]  # each address encoded once, then kept
-    hooks.launch_enter_hook = print  # a profiler's hook: Triton's own launch path, which calls it
-    bound(a, a, 5)
-    assert len(calls) == 4 and compiled.launched[0][1][1].base is a
 
 
 def test_a_planned_launch_fills_the_inputs_places_and_keeps_none_of_the_first_calls_tensors():

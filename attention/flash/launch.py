@@ -15,17 +15,14 @@ no compiled kernel to keep: every call goes through kernel[grid].
 
 Working out the key still costs host time (~45 arguments, descriptors among them). A caller that already knows its
 next calls specialise as this one did (dispatch.py's launch plans: same shapes, strides, dtype and alignment) skips
-it: launch returns `again`, which launches the same compiled kernel on new arguments without a key.
+it: launch returns `again`, which launches the same compiled kernel on new arguments without a key, and `planned`
+turns the first call's arguments into a plan whose per-call work is filling the inputs' places.
 """
 import copy
-import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import triton
-from triton import knobs
-from triton.backends.nvidia import driver as nvidia_driver
 
 from .device import INTERPRET
 
@@ -122,74 +119,19 @@ def rebased(desc, t: torch.Tensor | None):
 
 
 class BoundLaunch:
-    """One compiled kernel on one grid, launched again on new arguments that specialise as the first call's did.
-
-    A descriptor's place may take the tensor it reads instead: its layout, block, shape and strides are the first
-    call's there. Where Triton's launcher is the one this was written against (Triton 3.6's CUDA launcher), the
-    launch goes straight to its compiled C function: no Python launcher layers per call, and each descriptor's
-    encoding (the copy engine's 128-byte tensor map, §9) made once per address and kept, not on every launch as
-    Triton does. Anywhere else, and while a launch hook is set (a profiler's), it goes through CompiledKernel[grid].
-    """
+    """One compiled kernel on one grid (CompiledKernel[grid]), launched again on new arguments that specialise as the
+    first call's did. A descriptor's place may take the tensor it reads instead: the descriptor is re-aimed at it
+    (its layout, block, shape and strides are the first call's there), so a plan keeps no tensor of its first call."""
 
     def __init__(self, compiled, grid: tuple, first_args: tuple, constexprs: tuple):
         self.constexprs = constexprs
         self.templates = {i: rebased(arg, None) for i, arg in enumerate(first_args) if is_descriptor(arg)}
         self.runner = compiled[grid]
-        self.direct = direct_launcher(compiled, grid, self.templates)
 
     def __call__(self, *args):
-        if self.direct is not None and knobs.runtime.launch_enter_hook is None:
-            self.direct(args, self.constexprs)
-            return
         if self.templates:
             args = list(args)
             for i, template in self.templates.items():
                 if isinstance(args[i], torch.Tensor):
                     args[i] = rebased(template, args[i])
         self.runner(*args, *self.constexprs)
-
-
-def stream_getter() -> Callable:
-    """device -> the raw handle of its current stream (PyTorch's, which Triton's driver reads), as Triton launches on."""
-    return triton.runtime.driver.active.get_current_stream
-
-
-MAPS_PER_PLACE = 16  # tensor maps kept per descriptor place: the addresses a training loop cycles through
-
-
-def direct_launcher(compiled, grid: tuple, templates: dict) -> Callable | None:
-    """-> launch(args, constexprs) calling Triton 3.6's compiled C launcher itself, or None where Triton's launch
-    path is another (other versions: a None here only costs the Python layers), or the kernel needs scratch memory
-    that Triton's launcher allocates per launch."""
-    run = compiled.run
-    if (getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO" or not hasattr(run, "launch")
-            or run.global_scratch_size or run.profile_scratch_size):
-        return None
-    c_launch, metas = run.launch, {}
-    if templates:  # run.launch wraps the C launcher in wrap_handle_tensordesc's encoding of every descriptor
-        wrapped = inspect.getclosurevars(run.launch).nonlocals
-        if not {"launcher", "tensordesc_meta"} <= set(wrapped):
-            return None
-        c_launch = wrapped["launcher"]
-        metas = dict(zip(sorted(templates), wrapped["tensordesc_meta"] or [None] * len(templates)))
-    places = sorted(templates, reverse=True)  # spliced from the last, so earlier places keep their index
-    maps = {i: {} for i in templates}
-    device, stream_of = torch.cuda.current_device(), stream_getter()
-    head = (*grid, None, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-            compiled.packed_metadata, None, None, None)
-
-    def tensor_map(i, arg):
-        t = arg if isinstance(arg, torch.Tensor) else arg.base
-        kept = maps[i].get(t.data_ptr())
-        if kept is None:
-            if len(maps[i]) >= MAPS_PER_PLACE:
-                maps[i].clear()
-            kept = maps[i][t.data_ptr()] = nvidia_driver.make_tensordesc_arg(rebased(templates[i], t), metas[i])
-        return kept
-
-    def launch_direct(args, constexprs):
-        args = [*args, *constexprs]
-        for i in places:
-            args[i:i + 1] = tensor_map(i, args[i])
-        c_launch(head[0], head[1], head[2], stream_of(device), *head[4:], *args)
-    return launch_direct
