@@ -14,7 +14,7 @@ import random
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -96,19 +96,57 @@ def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
+class Stopped(BaseException):
+    """Raised by SIGINT/SIGTERM inside StopSignal.interruptible(). A BaseException, as KeyboardInterrupt is, so that
+    no `except Exception` on its way swallows it."""
+
+
 class StopSignal:
-    """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves and exits cleanly.
-    Stopping inside the handler could land in the middle of optimizer.step() and save weights
-    that are half updated. A second signal gets the usual behaviour, so Ctrl-C twice still kills."""
+    """SIGINT/SIGTERM stop the run within seconds, wherever it is, and the checkpoint holds the last whole step.
+    Inside interruptible() (evaluation, sampling, a step's forward and backward passes: nothing there changes the
+    weights) the signal raises Stopped at once. Elsewhere it only sets a flag that the loop reads after the step:
+    stopping inside the optimizer update would save half-updated weights. immediate=False (DDP) always takes the
+    flag, so that every rank stops after the same step. A second signal exits at once without saving; the last
+    checkpoint stays as it was, since a save writes a temporary file and renames it."""
+
+    def __init__(self, immediate: bool):
+        self.immediate = immediate
 
     def __enter__(self):
-        self.signum = None
+        self.signum, self.raising = None, self.immediate  # a run's set-up writes nothing that a stop could cut short
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, frame):
+        if self.signum is not None:
+            sys.stdout.flush()
+            print(f"train.py: second {signal.Signals(signum).name}: exiting at once, without saving", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
         self.signum = signum
-        signal.signal(signum, self.previous[signum])
+        if self.raising:
+            raise Stopped(self.name)
+
+    @contextmanager
+    def interruptible(self):
+        if not self.immediate:
+            yield
+            return
+        if self.signum is not None:  # it came during the last update or save
+            raise Stopped(self.name)
+        self.raising = True
+        try:
+            yield
+        finally:
+            self.raising = False
+
+    def hold(self) -> None:
+        """End the set-up: from here on only interruptible() raises."""
+        self.raising = False
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -209,7 +247,8 @@ def train(cfg: TrainConfig) -> None:
         torch.cuda.set_device(device)  # before the process group, so NCCL binds to this GPU
     init_process_group(world, device)
     try:
-        run(cfg, world, device)
+        with StopSignal(immediate=world.size == 1) as stop:
+            run(cfg, world, device, stop)
         # rank 0 is still writing the checkpoint; gloo can abort a rank that tears the group down
         # while another still uses it, so all leave together (not after an error: that would hang)
         wait_for_all_ranks()
@@ -217,7 +256,7 @@ def train(cfg: TrainConfig) -> None:
         close_process_group()
 
 
-def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
+def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) -> None:
     # a different seed per rank gives each its own dropout masks; DDP copies rank 0's initial weights to all
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
         seed_fn(cfg.seed + world.rank)
@@ -263,7 +302,9 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
-                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off")
+                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off",
+                               interruptible=stop.interruptible)
+    stop.hold()  # the logger's files and the loop's state must stay whole: from here on, see StopSignal
 
     logger = RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None) if world.is_main else None
     flops_per_token = raw_model.flops_per_token()
@@ -295,19 +336,22 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
     step, stopped_by, in_a_row = start_step, None, 0
-    with StopSignal() as stop:
+    try:
         while True:
+            rewind = train_loader.state_dict(), rng_state()  # where a step cut short by a signal goes back to
             # step = optimizer steps taken so far (updates and skipped ones); val loss and samples describe the
             # model after them
             last = step >= cfg.max_steps  # >=: a resume may start past a lowered max_steps
             if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
-                val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
+                with stop.interruptible():
+                    val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
                 best_val_loss = min(best_val_loss, val_loss)
                 if world.is_main:
                     logger.log_val(step, val_loss, cfg.attn)
                     bar.write(f"step {step}: val loss {val_loss:.4f}")
             if world.is_main and cfg.sample_interval and ((step and step % cfg.sample_interval == 0) or last):
-                text = sample_text(raw_model, prompt, cfg, step, autocast, device)
+                with stop.interruptible():
+                    text = sample_text(raw_model, prompt, cfg, step, autocast, device)
                 logger.log_sample(step, text)
                 bar.write(f"step {step} sample:\n{text}")
             if last:
@@ -352,10 +396,15 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
                     f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
                     f"{checkpoints.where_to_resume()}")
             if result.stop_votes:
-                stopped_by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
+                stopped_by = stop.name if stop.signum else "a signal to another rank"
                 break
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
                 save(step)
+    except Stopped:
+        # a step cut short goes back to where it started: a resume reads its batches and draws its dropout again
+        train_loader.load_state_dict(rewind[0])
+        set_rng_state(rewind[1])
+        stopped_by = stop.name
 
     save(step)
     bar.close()
@@ -373,6 +422,8 @@ def main(argv: list[str]) -> None:
         train(parse_args(argv))
     except (ConfigError, CheckpointError, ShardError, NonFiniteError) as err:
         sys.exit(f"train.py: error: {err}")
+    except Stopped as stopped:
+        sys.exit(f"train.py: stopped by {stopped} before the first step; nothing was saved")
 
 
 if __name__ == "__main__":

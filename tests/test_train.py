@@ -344,6 +344,43 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     assert not list(tmp_path.glob("*.tmp"))  # no half-written temporary file left behind
 
 
+@pytest.mark.parametrize("where, settings", [
+    ("evaluation", dict(eval_interval=1, eval_iters=10**7)),
+    ("micro-steps", dict(total_batch_size=4 * 16 * 10**6)),  # a step of a million micro-batches
+])
+def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, settings):
+    flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path, **settings})
+    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    while not (tmp_path / "metrics.jsonl").exists():  # the logger opens it just before the loop starts
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.time() - sent < 10, f"the stop inside {where} took {time.time() - sent:.0f} s"
+    assert proc.returncode == 0 and stderr == "", stderr[-3000:]
+    assert stdout.splitlines()[-1].startswith("stopped by SIGTERM at step 0; checkpoint ")
+    checkpoint = read_checkpoint(tmp_path / "ckpt.pt")
+    assert checkpoint["step"] == 0
+    assert checkpoint["train_loader"] == {"split": "train", "shard": 0, "position": 0}  # the cut step is read again
+
+
+def test_a_second_signal_exits_at_once_in_one_line():
+    # under DDP the first signal only sets the flag the ranks read after the step; the second must not wait for it
+    script = ("import os, signal, time, train\n"
+              "with train.StopSignal(immediate=False):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(60)\n")
+    start = time.time()
+    result = run_cli("-c", script, timeout=60)
+    assert time.time() - start < 30 and result.returncode == 128 + signal.SIGTERM
+    assert result.stderr.splitlines() == ["train.py: second SIGTERM: exiting at once, without saving"]
+
+
 def test_lr_schedule_warmup_peak_and_end():
     cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(1e-4)  # 1/10 of the peak: never 0
