@@ -12,10 +12,12 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -26,7 +28,7 @@ from attention import get_backend
 from data.loader import TokenLoader
 from data.shards import ShardError
 from data.tokenizer import EOT_TOKEN, get_encoding
-from model import GPT, GPTConfig
+from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
 from training.distributed import (World, close_process_group, gather_to_main, init_process_group,
@@ -68,6 +70,36 @@ def check_attention_device(cfg: TrainConfig, device: torch.device) -> None:
             check(device)
     except ValueError as err:
         raise ConfigError(f"--attn={cfg.attn}: {err}") from None
+
+
+def check_out_dir(path: str) -> None:
+    """out_dir can take the run's files, or a ConfigError naming the way out: checked before anything is built or
+    downloaded. The folder itself may not exist yet; its nearest existing parent must be a folder we may write."""
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise ConfigError(f"out_dir {path!r} cannot be made: {existing!r} is a file; pass --out_dir=a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {path!r} cannot be written: {existing!r} is read-only; pass --out_dir=a folder "
+                          "you can write to")
+
+
+def check_hub_reachable(name: str) -> None:
+    """GPT-2 weights by name come from the Hugging Face cache or its Hub; offline and not cached, say so in a line
+    now rather than after transformers' retries."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return  # GPT.from_pretrained names what to install
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # cached, or the user asked for the cache alone (transformers then fails at once if it is not there)
+    host = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=5).close()
+    except OSError as err:
+        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache and {host.hostname} cannot "
+                          f"be reached ({err}); run once online, or pass the path of a downloaded model.safetensors")
 
 
 def finite_or_none(x: float) -> float | None:
@@ -178,16 +210,24 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
             raise ConfigError(f"the checkpoint's weights do not fit its own model_config ({reason}); it was not "
                               "written by this trainer, or was changed after") from None
     elif cfg.init_from != "scratch":
+        name = PRESET_ALIASES.get(cfg.init_from, cfg.init_from)
+        if name in PRESETS:  # what can be checked before a download of up to 6 GB
+            check_block_size(cfg, GPTConfig.preset(name).block_size)
+            check_hub_reachable(name)
         try:
             model = GPT.from_pretrained(cfg.init_from, **cfg.attention_settings())
-        except ValueError as err:
+        except (ValueError, OSError, ImportError) as err:
             raise ConfigError(f"init_from: {err}") from None
     else:
         model = GPT(cfg.gpt_config())
-    if cfg.block_size > model.config.block_size:
-        raise ConfigError(f"block_size={cfg.block_size} is longer than the model's context of "
-                          f"{model.config.block_size} positions; pass --block_size={model.config.block_size} or less")
+    check_block_size(cfg, model.config.block_size)
     return model
+
+
+def check_block_size(cfg: TrainConfig, context: int) -> None:
+    if cfg.block_size > context:
+        raise ConfigError(f"block_size={cfg.block_size} is longer than the model's context of {context} positions; "
+                          f"pass --block_size={context} or less")
 
 
 def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> TokenLoader:
@@ -199,10 +239,7 @@ def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> 
 
 
 def prompt_tokens(cfg: TrainConfig, vocab_size: int) -> list[int]:
-    try:
-        ids = get_encoding().encode(cfg.sample_prompt, allowed_special="all") or [EOT_TOKEN]
-    except RuntimeError as err:  # no BPE files offline
-        raise ConfigError(f"{err}; or pass --sample_interval=0 to train without text samples") from None
+    ids = get_encoding().encode(cfg.sample_prompt, allowed_special="all") or [EOT_TOKEN]
     if max(ids) >= vocab_size:
         raise ConfigError(f"sample_prompt={cfg.sample_prompt!r} holds token ids >= vocab_size={vocab_size}; "
                           "pass --sample_interval=0 or a prompt within the vocabulary")
@@ -261,6 +298,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
         seed_fn(cfg.seed + world.rank)
     set_tf32(cfg, device)
+    check_out_dir(cfg.out_dir)
     dtype = pick_dtype(cfg, device)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)

@@ -7,6 +7,7 @@ test_faults.py kills runs with SIGKILL and damages their checkpoints and data; t
 files themselves.
 """
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -449,6 +450,9 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["--tf32=maybe"], "--tf32 takes true/false/1/0"),
     (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),
     (["batch_size=8"], "'batch_size=8' is neither a config file nor a flag; flags are written --key=value"),
+    (["--lr=1e-3"], "unknown setting 'lr' in the flag '--lr=1e-3'; did you mean learning_rate?"),
+    (["--n_embed=64"], "unknown setting 'n_embed' in the flag '--n_embed=64'; did you mean n_embd?"),
+    (["--epochs=3"], "unknown setting 'epochs' in the flag '--epochs=3'; valid settings: data_dir, out_dir"),
 ])
 def test_bad_settings_name_the_problem(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -726,6 +730,38 @@ def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatc
     lines = err.strip().splitlines()
     assert status == 1 and len(lines) == 1 and lines[0].startswith(f"train.py: error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data_dir, capsys, where):
+    if where == "read-only" and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "locked").mkdir(mode=0o555)
+    out_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run",
+               "read-only": tmp_path / "locked" / "run"}[where]
+    status, out, err = run_main(main_argv(out_dir, data_dir, max_steps=2), capsys)
+    lines = err.strip().splitlines()
+    assert status == 1 and len(lines) == 1 and "Traceback" not in out + err
+    assert lines[0].startswith(f"train.py: error: out_dir '{out_dir}' cannot be ") and "pass --out_dir=" in lines[0]
+    assert (tmp_path / "file").read_text() == "not a folder" and not list((tmp_path / "locked").iterdir())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--block_size=2048"], "block_size=2048 is longer than the model's context of 1024 positions; pass "
+                            "--block_size=1024 or less"),
+    ([], "init_from=gpt2: the weights are not in the Hugging Face cache and 127.0.0.1 cannot be reached"),
+])
+def test_init_from_gpt2_offline_fails_in_one_line_before_any_download(tmp_path, data_dir, flags, message):
+    # a Hub that refuses connections, and an empty cache: what a machine without network sees, without its waits
+    env = cpu_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=None)
+    start = time.time()
+    result = run_cli("train.py", "--init_from=gpt2", *cli_flags(data_dir=data_dir, out_dir=tmp_path / "run", wandb=False),
+                     *flags, env=env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stdout + result.stderr
+    assert lines[0].startswith(f"train.py: error: {message}")
+    assert time.time() - start < 60 and not (tmp_path / "hf").exists()  # no retries, nothing fetched
 
 
 def test_build_model_refuses_a_checkpoint_of_another_model(tmp_path):

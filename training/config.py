@@ -6,6 +6,7 @@ A config file is Python that assigns fields (`batch_size = 16`); files and flags
 so flags after a file override it. Every value is checked against its field's type here, so a typo
 fails in the first second of a run instead of after an hour of training.
 """
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass, fields
@@ -192,7 +193,14 @@ def _field_types() -> dict[str, type]:
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    return ConfigError(f"unknown setting {key!r} in {where}; valid settings: {', '.join(_field_types())}")
+    names = list(_field_types())
+    # an abbreviation by initials (lr -> learning_rate), else the nearest spelling (batch_sise -> batch_size)
+    initials = [name for name in names if "".join(word[0] for word in name.split("_")) == key]
+    closest = initials or difflib.get_close_matches(key, names, n=1)
+    if closest:
+        return ConfigError(f"unknown setting {key!r} in {where}; did you mean {' or '.join(closest)}? (every setting: "
+                           "docs/training.md)")
+    return ConfigError(f"unknown setting {key!r} in {where}; valid settings: {', '.join(names)}")
 
 
 def read_config_file(path: str) -> dict:
