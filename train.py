@@ -344,14 +344,16 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                                interruptible=stop.interruptible)
     stop.hold()  # the logger's files and the loop's state must stay whole: from here on, see StopSignal
 
-    logger = RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None) if world.is_main else None
+    logger = (RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None, raw_model.num_params())
+              if world.is_main else None)
     flops_per_token = raw_model.flops_per_token()
     peak = peak_flops(device) if dtype != torch.float32 else None  # the table holds bf16/fp16 peaks
     if world.is_main:
         sparsity = "".join(f", {key}={value}" for key, value in raw_model.config.sparsity().items())
         print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}{sparsity}, {device}, {dtype}, "
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
-              f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else ""))
+              f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else "")
+              + f"; records in {cfg.out_dir}")
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # steps without an update, in all
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 

@@ -405,6 +405,30 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
     assert parse_args(["--batch_size=2", str(config)]).batch_size == 8  # the file came last: it wins
 
 
+def test_runs_of_other_configs_and_backends_keep_apart(tmp_path, monkeypatch):
+    smoke = str(ROOT / "configs" / "smoke_cpu.py")
+    assert parse_args([smoke]).out_dir == os.path.join("out", "smoke_cpu-sdpa")
+    assert parse_args([smoke, "--attn=triton", "--window=16"]).out_dir == os.path.join("out", "smoke_cpu-triton-window16")
+    assert parse_args(["--doc_mask=true"]).out_dir == os.path.join("out", "default-sdpa-docs")
+    assert parse_args([smoke, "--name=mine"]).out_dir == os.path.join("out", "mine-sdpa")
+    assert parse_args([smoke, "--out_dir=elsewhere"]).out_dir == "elsewhere"
+    # wandb: runs grouped by config, each named by its config, size and attention
+    import wandb
+
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or SimpleNamespace(id="x", finish=lambda: None))
+    RunLogger(parse_args([smoke, "--attn=naive", "--wandb=true", f"--out_dir={tmp_path}"]), 0, None, 3_321_344).close()
+    assert (seen["group"], seen["name"]) == ("smoke_cpu", "smoke_cpu-3.32M-naive")
+
+
+def test_a_fresh_run_leaves_no_samples_of_an_earlier_one(tmp_path):
+    (tmp_path / "samples.txt").write_text("--- step 40 ---\nan earlier run's text\n")
+    RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False, sample_interval=0, resume=True), 0, None).close()
+    assert (tmp_path / "samples.txt").exists()  # a resumed run keeps its own
+    RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False, sample_interval=0), 0, None).close()
+    assert not (tmp_path / "samples.txt").exists()
+
+
 def test_sparse_attention_flags_reach_the_model_config():
     assert parse_args(["--attn=triton", "--window=256"]).gpt_config().sparsity() == {"window": 256}
     moba = parse_args(["--attn=moba", "--moba_block=128", "--moba_topk=3"]).gpt_config()
