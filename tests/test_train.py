@@ -476,7 +476,7 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["batch_size=8"], "'batch_size=8' is neither a config file nor a flag; flags are written --key=value"),
     (["--lr=1e-3"], "unknown setting 'lr' in the flag '--lr=1e-3'; did you mean learning_rate?"),
     (["--n_embed=64"], "unknown setting 'n_embed' in the flag '--n_embed=64'; did you mean n_embd?"),
-    (["--epochs=3"], "unknown setting 'epochs' in the flag '--epochs=3'; valid settings: data_dir, out_dir"),
+    (["--epochs=3"], "unknown setting 'epochs' in the flag '--epochs=3'; valid settings: data_dir, name, out_dir"),
 ])
 def test_bad_settings_name_the_problem(argv, message):
     with pytest.raises(ConfigError) as err:
