@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from attention import get_backend
+from data import shakespeare
 from data.loader import TokenLoader
-from data.shards import ShardError
+from data.shards import INDEX, ShardError
 from data.tokenizer import EOT_TOKEN, get_encoding
 from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
@@ -230,6 +231,33 @@ def check_block_size(cfg: TrainConfig, context: int) -> None:
                           f"pass --block_size={context} or less")
 
 
+def prepare_default_data(cfg: TrainConfig, world: World) -> None:
+    """The default data set, tiny shakespeare, is prepared on first use from the repository's copy of the text."""
+    if os.path.normpath(cfg.data_dir) != os.path.normpath(shakespeare.OUT_DIR) or \
+            os.path.exists(os.path.join(cfg.data_dir, INDEX)):
+        return
+    if world.is_main:
+        counts = shakespeare.prepare(shakespeare.TEXT.read_text(encoding="utf-8"), cfg.data_dir)
+        print(f"first use: prepared tiny shakespeare ({shakespeare.summary(counts, cfg.data_dir)})")
+    wait_for_all_ranks()  # the other ranks read what rank 0 wrote
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+    """`python train.py` without a config file: configs/shakespeare.py (GPT-2 124M, the backends' comparison) on a
+    GPU, configs/shakespeare_cpu.py (a small GPT that trains in about a minute) without one. Says which it took."""
+    if any(not arg.startswith("--") for arg in argv):
+        return argv
+    device = next((arg.partition("=")[2] for arg in reversed(argv) if arg.startswith("--device=")), "auto")
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                          "shakespeare.py" if gpu else "shakespeare_cpu.py")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"no config file given: {os.path.relpath(config)} ("
+              + ("GPT-2 124M on tiny shakespeare, the backends' comparison setting)" if gpu else
+                 "a 4-layer GPT on tiny shakespeare, about a minute on a CPU; with a GPU the default is GPT-2 124M)"))
+    return [config, *argv]
+
+
 def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> TokenLoader:
     try:
         return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size, vocab_size)
@@ -313,6 +341,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     # loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 do not need it
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     vocab_size = raw_model.config.vocab_size
+    prepare_default_data(cfg, world)
     train_loader = open_loader(cfg, "train", world, vocab_size)
     val_loader = open_loader(cfg, "val", world, vocab_size) if cfg.eval_interval else None
     val_start = val_loader.state_dict() if val_loader else None
@@ -459,7 +488,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
 
 def main(argv: list[str]) -> None:
     try:
-        train(parse_args(argv))
+        train(parse_args(with_default_config(argv)))
     except (ConfigError, CheckpointError, ShardError, NonFiniteError) as err:
         sys.exit(f"train.py: error: {err}")
     except Stopped as stopped:

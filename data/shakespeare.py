@@ -19,6 +19,7 @@ from .shards import shard_path, write_index, write_shard
 from .tokenizer import EOT_TOKEN, get_encoding, to_uint16
 
 TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
+OUT_DIR = "data/shakespeare"  # the trainer's default data_dir: train.py prepares it on first use
 TRAIN_FRACTION = 0.9
 # speeches are separated by blank lines: a speech starts where a line with text follows one or more blank lines
 SPEECH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
@@ -64,10 +65,15 @@ def prepare(text: str, out_dir: str, made_by: str = "python -m data.shakespeare"
     return counts
 
 
+def summary(counts: dict[str, dict[str, int]], out_dir: str) -> str:
+    return ", ".join(f"{split}: {c['tokens']:,} tokens in {c['documents']:,} speeches" for split, c in counts.items()) \
+        + f" -> {out_dir}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", metavar="PATH", default=str(TEXT), help="the text (default: the repository's copy)")
-    parser.add_argument("--out_dir", default="data/shakespeare", help="where the shards go")
+    parser.add_argument("--out_dir", default=OUT_DIR, help="where the shards go")
     args = parser.parse_args(argv)
 
     try:
@@ -76,9 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, UnicodeDecodeError) as err:
         sys.exit(f"data.shakespeare: error: cannot read --input {args.input} ({err}); pass a UTF-8 text file")
     command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
-    counts = prepare(text, args.out_dir, command)
-    print(", ".join(f"{split}: {c['tokens']:,} tokens in {c['documents']:,} speeches" for split, c in counts.items())
-          + f" -> {args.out_dir}")
+    print(summary(prepare(text, args.out_dir, command), args.out_dir))
 
 
 if __name__ == "__main__":

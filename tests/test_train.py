@@ -421,6 +421,20 @@ def test_runs_of_other_configs_and_backends_keep_apart(tmp_path, monkeypatch):
     assert (seen["group"], seen["name"]) == ("smoke_cpu", "smoke_cpu-3.32M-naive")
 
 
+@pytest.mark.parametrize("cuda, argv, config", [
+    (False, [], "shakespeare_cpu.py"),
+    (True, [], "shakespeare.py"),
+    (True, ["--device=cpu"], "shakespeare_cpu.py"),  # the device asked for decides, not the one present
+    (False, ["--attn=naive"], "shakespeare_cpu.py"),
+])
+def test_without_a_config_file_the_machine_picks_one_and_says_so(monkeypatch, capsys, cuda, argv, config):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    chosen = train.with_default_config(argv)
+    assert chosen == [str(ROOT / "configs" / config), *argv]
+    assert capsys.readouterr().out.startswith(f"no config file given: {os.path.relpath(ROOT / 'configs' / config)} (")
+    assert train.with_default_config(["configs/smoke_cpu.py", *argv]) == ["configs/smoke_cpu.py", *argv]
+
+
 def test_a_fresh_run_leaves_no_samples_of_an_earlier_one(tmp_path):
     (tmp_path / "samples.txt").write_text("--- step 40 ---\nan earlier run's text\n")
     RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False, sample_interval=0, resume=True), 0, None).close()
