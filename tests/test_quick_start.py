@@ -23,7 +23,7 @@ def quick_start_commands() -> list[str]:
     section = readme[readme.index("## Quick start"):]
     block = section[section.index("```bash\n") + len("```bash\n"):]
     block = block[:block.index("\n```")]
-    return [line.split("#")[0].strip() for line in block.splitlines()]
+    return [line.split("#")[0].strip() for line in block.splitlines() if not line.startswith("#")]
 
 
 def fresh_clone(folder):
