@@ -93,14 +93,18 @@ def check_hub_reachable(name: str) -> None:
         from huggingface_hub import constants, try_to_load_from_cache
     except ImportError:
         return  # GPT.from_pretrained names what to install
-    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return  # cached, or the user asked for the cache alone (transformers then fails at once if it is not there)
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    way_out = "run once online, or pass the path of a downloaded model.safetensors"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                          f"set; {way_out}")
     host = urlparse(constants.ENDPOINT)
     try:
         socket.create_connection((host.hostname, host.port or 443), timeout=5).close()
     except OSError as err:
         raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache and {host.hostname} cannot "
-                          f"be reached ({err}); run once online, or pass the path of a downloaded model.safetensors")
+                          f"be reached ({err}); {way_out}")
 
 
 def finite_or_none(x: float) -> float | None:
@@ -218,7 +222,7 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
         try:
             model = GPT.from_pretrained(cfg.init_from, **cfg.attention_settings())
         except (ValueError, OSError, ImportError) as err:
-            raise ConfigError(f"init_from: {err}") from None
+            raise ConfigError(f"init_from: {' '.join(str(err).split())}") from None  # transformers' errors span lines
     else:
         model = GPT(cfg.gpt_config())
     check_block_size(cfg, model.config.block_size)

@@ -369,6 +369,19 @@ def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, se
     assert checkpoint["train_loader"] == {"split": "train", "shard": 0, "position": 0}  # the cut step is read again
 
 
+def test_a_signal_during_the_set_up_ends_the_run_in_one_line(tmp_path, data_dir, monkeypatch, capsys):
+    def slow_build(cfg, checkpoint):  # a download of GPT-2's weights, say, that the signal must cut short
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    monkeypatch.setattr(train, "build_model", slow_build)
+    start = time.time()
+    status, out, err = run_main(main_argv(tmp_path / "run", data_dir, max_steps=2), capsys)
+    assert time.time() - start < 30 and status == 1
+    assert err.strip().splitlines() == ["train.py: stopped by SIGTERM before the first step; nothing was saved"]
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_second_signal_exits_at_once_in_one_line():
     # under DDP the first signal only sets the flag the ranks read after the step; the second must not wait for it
     script = ("import os, signal, time, train\n"
@@ -785,14 +798,16 @@ def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data
     assert (tmp_path / "file").read_text() == "not a folder" and not list((tmp_path / "locked").iterdir())
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--block_size=2048"], "block_size=2048 is longer than the model's context of 1024 positions; pass "
-                            "--block_size=1024 or less"),
-    ([], "init_from=gpt2: the weights are not in the Hugging Face cache and 127.0.0.1 cannot be reached"),
+@pytest.mark.parametrize("flags, offline, message", [
+    (["--block_size=2048"], None, "block_size=2048 is longer than the model's context of 1024 positions; pass "
+                                  "--block_size=1024 or less"),
+    ([], None, "init_from=gpt2: the weights are not in the Hugging Face cache and 127.0.0.1 cannot be reached"),
+    ([], "1", "init_from=gpt2: the weights are not in the Hugging Face cache, and HF_HUB_OFFLINE is set; run once "
+              "online"),
 ])
-def test_init_from_gpt2_offline_fails_in_one_line_before_any_download(tmp_path, data_dir, flags, message):
+def test_init_from_gpt2_offline_fails_in_one_line_before_any_download(tmp_path, data_dir, flags, offline, message):
     # a Hub that refuses connections, and an empty cache: what a machine without network sees, without its waits
-    env = cpu_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=None)
+    env = cpu_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=offline)
     start = time.time()
     result = run_cli("train.py", "--init_from=gpt2", *cli_flags(data_dir=data_dir, out_dir=tmp_path / "run", wandb=False),
                      *flags, env=env, timeout=120)
