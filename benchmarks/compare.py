@@ -5,7 +5,7 @@ loss agreement and speed side by side. A variant is a name and the train.py flag
     python -m benchmarks.compare --backends naive,compile,sdpa,triton -- configs/shakespeare.py --max_steps=300
     python -m benchmarks.compare --variants dense:attn=triton window:attn=triton,window=256 \\
         moba:attn=moba,moba_block=128,moba_topk=3 -- configs/shakespeare_sparse.py
-    python -m benchmarks.compare --backends sdpa,triton --wandb=false -- configs/smoke_cpu.py
+    TRITON_INTERPRET=1 python -m benchmarks.compare --backends sdpa,triton --wandb=false -- configs/smoke_cpu.py  # CPU
     python -m benchmarks.compare --backends naive,sdpa,triton --seeds 1,2,3 -- configs/shakespeare.py   # seed spread
 
 Everything after `--` goes to train.py unchanged (config files first, then --key=value flags), and each
