@@ -345,11 +345,12 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     assert not list(tmp_path.glob("*.tmp"))  # no half-written temporary file left behind
 
 
-@pytest.mark.parametrize("where, settings", [
-    ("evaluation", dict(eval_interval=1, eval_iters=10**7)),
-    ("micro-steps", dict(total_batch_size=4 * 16 * 10**6)),  # a step of a million micro-batches
+@pytest.mark.parametrize("where, settings, step", [
+    ("evaluation", dict(eval_interval=1, eval_iters=10**7), 0),
+    ("micro-steps", dict(total_batch_size=4 * 16 * 10**6), 0),  # a step of a million micro-batches
+    ("sampling", dict(sample_interval=1, sample_tokens=10**7, sample_prompt="!"), 1),  # after step 0, at step 1
 ])
-def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, settings):
+def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, settings, step):
     flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path, **settings})
     proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=cpu_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -357,16 +358,17 @@ def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, se
     while not (tmp_path / "metrics.jsonl").exists():  # the logger opens it just before the loop starts
         assert proc.poll() is None and time.time() < deadline, "training did not start"
         time.sleep(0.2)
-    time.sleep(1)
+    time.sleep(2)
     proc.send_signal(signal.SIGTERM)
     sent = time.time()
     stdout, stderr = proc.communicate(timeout=60)
     assert time.time() - sent < 10, f"the stop inside {where} took {time.time() - sent:.0f} s"
     assert proc.returncode == 0 and stderr == "", stderr[-3000:]
-    assert stdout.splitlines()[-1].startswith("stopped by SIGTERM at step 0; checkpoint ")
+    assert stdout.splitlines()[-1].startswith(f"stopped by SIGTERM at step {step}; checkpoint ")
     checkpoint = read_checkpoint(tmp_path / "ckpt.pt")
-    assert checkpoint["step"] == 0
-    assert checkpoint["train_loader"] == {"split": "train", "shard": 0, "position": 0}  # the cut step is read again
+    assert checkpoint["step"] == step
+    # a cut step is read again on resume: the data position is where the step started
+    assert checkpoint["train_loader"] == {"split": "train", "shard": 0, "position": step * 4 * 16}
 
 
 def test_a_signal_during_the_set_up_ends_the_run_in_one_line(tmp_path, data_dir, monkeypatch, capsys):
