@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import tiktoken
-from tiktoken_ext.openai_public import r50k_pat_str
+from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer pattern (tiktoken >= 0.8)
 
 EOT_TOKEN = 50256  # <|endoftext|>: marks the start of each document in the token stream
 UINT16_LIMIT = 2**16
