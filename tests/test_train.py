@@ -423,7 +423,8 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
 def test_runs_of_other_configs_and_backends_keep_apart(tmp_path, monkeypatch):
     smoke = str(ROOT / "configs" / "smoke_cpu.py")
     assert parse_args([smoke]).out_dir == os.path.join("out", "smoke_cpu-sdpa")
-    assert parse_args([smoke, "--attn=triton", "--window=16"]).out_dir == os.path.join("out", "smoke_cpu-triton-window16")
+    triton_window = parse_args([smoke, "--attn=triton", "--window=16"])
+    assert triton_window.out_dir == os.path.join("out", "smoke_cpu-triton-window16")
     assert parse_args(["--doc_mask=true"]).out_dir == os.path.join("out", "default-sdpa-docs")
     assert parse_args([smoke, "--name=mine"]).out_dir == os.path.join("out", "mine-sdpa")
     assert parse_args([smoke, "--out_dir=elsewhere"]).out_dir == "elsewhere"
@@ -812,8 +813,8 @@ def test_init_from_gpt2_offline_fails_in_one_line_before_any_download(tmp_path, 
     # a Hub that refuses connections, and an empty cache: what a machine without network sees, without its waits
     env = cpu_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=offline)
     start = time.time()
-    result = run_cli("train.py", "--init_from=gpt2", *cli_flags(data_dir=data_dir, out_dir=tmp_path / "run", wandb=False),
-                     *flags, env=env, timeout=120)
+    flags = ["--init_from=gpt2", *cli_flags(data_dir=data_dir, out_dir=tmp_path / "run", wandb=False), *flags]
+    result = run_cli("train.py", *flags, env=env, timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stdout + result.stderr
     assert lines[0].startswith(f"train.py: error: {message}")
