@@ -12,10 +12,12 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -23,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from attention import get_backend
+from data import shakespeare
 from data.loader import TokenLoader
-from data.shards import ShardError
+from data.shards import INDEX, ShardError
 from data.tokenizer import EOT_TOKEN, get_encoding
-from model import GPT, GPTConfig
+from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
 from training.distributed import (World, close_process_group, gather_to_main, init_process_group,
@@ -70,6 +73,40 @@ def check_attention_device(cfg: TrainConfig, device: torch.device) -> None:
         raise ConfigError(f"--attn={cfg.attn}: {err}") from None
 
 
+def check_out_dir(path: str) -> None:
+    """out_dir can take the run's files, or a ConfigError naming the way out: checked before anything is built or
+    downloaded. The folder itself may not exist yet; its nearest existing parent must be a folder we may write."""
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing) or "."
+    if not os.path.isdir(existing):
+        raise ConfigError(f"out_dir {path!r} cannot be made: {existing!r} is a file; pass --out_dir=a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {path!r} cannot be written: {existing!r} is read-only; pass --out_dir=a folder "
+                          "you can write to")
+
+
+def check_hub_reachable(name: str) -> None:
+    """GPT-2 weights by name come from the Hugging Face cache or its Hub; offline and not cached, say so in a line
+    now rather than after transformers' retries."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:
+        return  # GPT.from_pretrained names what to install
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    way_out = "run once online, or pass the path of a downloaded model.safetensors"
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                          f"set; {way_out}")
+    host = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=5).close()
+    except OSError as err:
+        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache and {host.hostname} cannot "
+                          f"be reached ({err}); {way_out}")
+
+
 def finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -96,19 +133,57 @@ def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
+class Stopped(BaseException):
+    """Raised by SIGINT/SIGTERM inside StopSignal.interruptible(). A BaseException, as KeyboardInterrupt is, so that
+    no `except Exception` on its way swallows it."""
+
+
 class StopSignal:
-    """SIGINT/SIGTERM only set a flag: the loop finishes its step, saves and exits cleanly.
-    Stopping inside the handler could land in the middle of optimizer.step() and save weights
-    that are half updated. A second signal gets the usual behaviour, so Ctrl-C twice still kills."""
+    """SIGINT/SIGTERM stop the run within seconds, wherever it is, and the checkpoint holds the last whole step.
+    Inside interruptible() (evaluation, sampling, a step's forward and backward passes: nothing there changes the
+    weights) the signal raises Stopped at once. Elsewhere it only sets a flag that the loop reads after the step:
+    stopping inside the optimizer update would save half-updated weights. immediate=False (DDP) always takes the
+    flag, so that every rank stops after the same step. A second signal exits at once without saving; the last
+    checkpoint stays as it was, since a save writes a temporary file and renames it."""
+
+    def __init__(self, immediate: bool):
+        self.immediate = immediate
 
     def __enter__(self):
-        self.signum = None
+        self.signum, self.raising = None, self.immediate  # a run's set-up writes nothing that a stop could cut short
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, frame):
+        if self.signum is not None:
+            sys.stdout.flush()
+            print(f"train.py: second {signal.Signals(signum).name}: exiting at once, without saving", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
         self.signum = signum
-        signal.signal(signum, self.previous[signum])
+        if self.raising:
+            raise Stopped(self.name)
+
+    @contextmanager
+    def interruptible(self):
+        if not self.immediate:
+            yield
+            return
+        if self.signum is not None:  # it came during the last update or save
+            raise Stopped(self.name)
+        self.raising = True
+        try:
+            yield
+        finally:
+            self.raising = False
+
+    def hold(self) -> None:
+        """End the set-up: from here on only interruptible() raises."""
+        self.raising = False
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -140,16 +215,51 @@ def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:
             raise ConfigError(f"the checkpoint's weights do not fit its own model_config ({reason}); it was not "
                               "written by this trainer, or was changed after") from None
     elif cfg.init_from != "scratch":
+        name = PRESET_ALIASES.get(cfg.init_from, cfg.init_from)
+        if name in PRESETS:  # what can be checked before a download of up to 6 GB
+            check_block_size(cfg, GPTConfig.preset(name).block_size)
+            check_hub_reachable(name)
         try:
             model = GPT.from_pretrained(cfg.init_from, **cfg.attention_settings())
-        except ValueError as err:
-            raise ConfigError(f"init_from: {err}") from None
+        except (ValueError, OSError, ImportError) as err:
+            raise ConfigError(f"init_from: {' '.join(str(err).split())}") from None  # transformers' errors span lines
     else:
         model = GPT(cfg.gpt_config())
-    if cfg.block_size > model.config.block_size:
-        raise ConfigError(f"block_size={cfg.block_size} is longer than the model's context of "
-                          f"{model.config.block_size} positions; pass --block_size={model.config.block_size} or less")
+    check_block_size(cfg, model.config.block_size)
     return model
+
+
+def check_block_size(cfg: TrainConfig, context: int) -> None:
+    if cfg.block_size > context:
+        raise ConfigError(f"block_size={cfg.block_size} is longer than the model's context of {context} positions; "
+                          f"pass --block_size={context} or less")
+
+
+def prepare_default_data(cfg: TrainConfig, world: World) -> None:
+    """The default data set, tiny shakespeare, is prepared on first use from the repository's copy of the text."""
+    if os.path.normpath(cfg.data_dir) != os.path.normpath(shakespeare.OUT_DIR) or \
+            os.path.exists(os.path.join(cfg.data_dir, INDEX)):
+        return
+    if world.is_main:
+        counts = shakespeare.prepare(shakespeare.TEXT.read_text(encoding="utf-8"), cfg.data_dir)
+        print(f"first use: prepared tiny shakespeare ({shakespeare.summary(counts, cfg.data_dir)})")
+    wait_for_all_ranks()  # the other ranks read what rank 0 wrote
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+    """`python train.py` without a config file: configs/shakespeare.py (GPT-2 124M, the backends' comparison) on a
+    GPU, configs/shakespeare_cpu.py (a small GPT that trains in about a minute) without one. Says which it took."""
+    if any(not arg.startswith("--") for arg in argv):
+        return argv
+    device = next((arg.partition("=")[2] for arg in reversed(argv) if arg.startswith("--device=")), "auto")
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
+                          "shakespeare.py" if gpu else "shakespeare_cpu.py")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"no config file given: {os.path.relpath(config)} ("
+              + ("GPT-2 124M on tiny shakespeare, the backends' comparison setting)" if gpu else
+                 "a 4-layer GPT on tiny shakespeare, about a minute on a CPU; with a GPU the default is GPT-2 124M)"))
+    return [config, *argv]
 
 
 def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> TokenLoader:
@@ -161,10 +271,7 @@ def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> 
 
 
 def prompt_tokens(cfg: TrainConfig, vocab_size: int) -> list[int]:
-    try:
-        ids = get_encoding().encode(cfg.sample_prompt, allowed_special="all") or [EOT_TOKEN]
-    except RuntimeError as err:  # no BPE files offline
-        raise ConfigError(f"{err}; or pass --sample_interval=0 to train without text samples") from None
+    ids = get_encoding().encode(cfg.sample_prompt, allowed_special="all") or [EOT_TOKEN]
     if max(ids) >= vocab_size:
         raise ConfigError(f"sample_prompt={cfg.sample_prompt!r} holds token ids >= vocab_size={vocab_size}; "
                           "pass --sample_interval=0 or a prompt within the vocabulary")
@@ -209,7 +316,8 @@ def train(cfg: TrainConfig) -> None:
         torch.cuda.set_device(device)  # before the process group, so NCCL binds to this GPU
     init_process_group(world, device)
     try:
-        run(cfg, world, device)
+        with StopSignal(immediate=world.size == 1) as stop:
+            run(cfg, world, device, stop)
         # rank 0 is still writing the checkpoint; gloo can abort a rank that tears the group down
         # while another still uses it, so all leave together (not after an error: that would hang)
         wait_for_all_ranks()
@@ -217,11 +325,12 @@ def train(cfg: TrainConfig) -> None:
         close_process_group()
 
 
-def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
+def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) -> None:
     # a different seed per rank gives each its own dropout masks; DDP copies rank 0's initial weights to all
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
         seed_fn(cfg.seed + world.rank)
     set_tf32(cfg, device)
+    check_out_dir(cfg.out_dir)
     dtype = pick_dtype(cfg, device)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)
@@ -236,6 +345,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     # loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 do not need it
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     vocab_size = raw_model.config.vocab_size
+    prepare_default_data(cfg, world)
     train_loader = open_loader(cfg, "train", world, vocab_size)
     val_loader = open_loader(cfg, "val", world, vocab_size) if cfg.eval_interval else None
     val_start = val_loader.state_dict() if val_loader else None
@@ -263,16 +373,20 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     if ddp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
-                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off")
+                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off",
+                               interruptible=stop.interruptible)
+    stop.hold()  # the logger's files and the loop's state must stay whole: from here on, see StopSignal
 
-    logger = RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None) if world.is_main else None
+    logger = (RunLogger(cfg, start_step, checkpoint["wandb_run_id"] if checkpoint else None, raw_model.num_params())
+              if world.is_main else None)
     flops_per_token = raw_model.flops_per_token()
     peak = peak_flops(device) if dtype != torch.float32 else None  # the table holds bf16/fp16 peaks
     if world.is_main:
         sparsity = "".join(f", {key}={value}" for key, value in raw_model.config.sparsity().items())
         print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}{sparsity}, {device}, {dtype}, "
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
-              f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else ""))
+              f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else "")
+              + f"; records in {cfg.out_dir}")
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # steps without an update, in all
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
@@ -295,19 +409,22 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
     # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
     step, stopped_by, in_a_row = start_step, None, 0
-    with StopSignal() as stop:
+    try:
         while True:
+            rewind = train_loader.state_dict(), rng_state()  # where a step cut short by a signal goes back to
             # step = optimizer steps taken so far (updates and skipped ones); val loss and samples describe the
             # model after them
             last = step >= cfg.max_steps  # >=: a resume may start past a lowered max_steps
             if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
-                val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
+                with stop.interruptible():
+                    val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
                 best_val_loss = min(best_val_loss, val_loss)
                 if world.is_main:
                     logger.log_val(step, val_loss, cfg.attn)
                     bar.write(f"step {step}: val loss {val_loss:.4f}")
             if world.is_main and cfg.sample_interval and ((step and step % cfg.sample_interval == 0) or last):
-                text = sample_text(raw_model, prompt, cfg, step, autocast, device)
+                with stop.interruptible():
+                    text = sample_text(raw_model, prompt, cfg, step, autocast, device)
                 logger.log_sample(step, text)
                 bar.write(f"step {step} sample:\n{text}")
             if last:
@@ -352,10 +469,15 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
                     f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
                     f"{checkpoints.where_to_resume()}")
             if result.stop_votes:
-                stopped_by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
+                stopped_by = stop.name if stop.signum else "a signal to another rank"
                 break
             if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
                 save(step)
+    except Stopped:
+        # a step cut short goes back to where it started: a resume reads its batches and draws its dropout again
+        train_loader.load_state_dict(rewind[0])
+        set_rng_state(rewind[1])
+        stopped_by = stop.name
 
     save(step)
     bar.close()
@@ -370,9 +492,11 @@ def run(cfg: TrainConfig, world: World, device: torch.device) -> None:
 
 def main(argv: list[str]) -> None:
     try:
-        train(parse_args(argv))
+        train(parse_args(with_default_config(argv)))
     except (ConfigError, CheckpointError, ShardError, NonFiniteError) as err:
         sys.exit(f"train.py: error: {err}")
+    except Stopped as stopped:
+        sys.exit(f"train.py: stopped by {stopped} before the first step; nothing was saved")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ loss agreement and speed side by side. A variant is a name and the train.py flag
     python -m benchmarks.compare --backends naive,compile,sdpa,triton -- configs/shakespeare.py --max_steps=300
     python -m benchmarks.compare --variants dense:attn=triton window:attn=triton,window=256 \\
         moba:attn=moba,moba_block=128,moba_topk=3 -- configs/shakespeare_sparse.py
-    python -m benchmarks.compare --backends sdpa,triton --wandb=false -- configs/smoke_cpu.py
+    TRITON_INTERPRET=1 python -m benchmarks.compare --backends sdpa,triton --wandb=false -- configs/smoke_cpu.py  # CPU
     python -m benchmarks.compare --backends naive,sdpa,triton --seeds 1,2,3 -- configs/shakespeare.py   # seed spread
 
 Everything after `--` goes to train.py unchanged (config files first, then --key=value flags), and each
@@ -31,8 +31,10 @@ import torch
 
 from benchmarks.compare_report import default_reference, write_report
 from benchmarks.report import environment, parse_bool, write_json
+from train import check_attention_device, pick_device
 from training.config import ConfigError
 from training.config import parse_args as parse_train_args
+from training.distributed import World
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 SET_PER_RUN = ("out_dir", "wandb_group", "wandb_run_name")
@@ -145,9 +147,10 @@ def main(argv=None) -> int:
     runs = runs_of(args)
     commands = {run: train_command(name, seed, args.out_dir / run, args, train_args)
                 for run, (name, seed) in runs.items()}
-    for name, cmd in commands.items():  # every run's settings checked before the first starts
+    for name, cmd in commands.items():  # before the first run starts: every run's settings, and that it runs here
         try:
-            parse_train_args(cmd[2:])
+            cfg = parse_train_args(cmd[2:])
+            check_attention_device(cfg, pick_device(cfg, World()))
         except ConfigError as err:
             raise SystemExit(f"compare.py: run {name!r}: {err}") from None
     failed = []

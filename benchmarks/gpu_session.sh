@@ -6,15 +6,13 @@
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
-# Offline stand-ins travel in .gpu_carry/: tiktoken_cache/ (GPT-2 BPE files) and tinyshakespeare.txt. Online, the
-# data prep downloads the text and tiktoken its files, and .gpu_carry/ is not needed.
+# The tiny shakespeare text and the GPT-2 BPE ship in data/assets/: the sessions need no network.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 RESULTS=out/results
 mkdir -p "$RESULTS" "${OUT:-out}"
 LOG=${OUT:-out}/gpu_session.log
-[ -d .gpu_carry/tiktoken_cache ] && export TIKTOKEN_CACHE_DIR=$PWD/.gpu_carry/tiktoken_cache
 SECONDS_LEFT=${SECONDS_LEFT:-560}  # a stage's time limit; a device call runs at most 600 s
 
 log() { tee -a "$LOG"; }
@@ -23,8 +21,7 @@ pack() {  # the table's folder into $OUT/<table>.tgz (checkpoints left out)
 }
 shakespeare() {  # tiny shakespeare as GPT-2 tokens in data/shakespeare/
   [ -d data/shakespeare ] && return
-  if [ -f .gpu_carry/tinyshakespeare.txt ]; then python3 -m data.shakespeare --input .gpu_carry/tinyshakespeare.txt
-  else python3 -m data.shakespeare; fi
+  python3 -m data.shakespeare
 }
 
 for stage in "$@"; do

@@ -3,7 +3,6 @@
 # Gradient accumulation makes up the rest of each step's 524,288 tokens: 1 micro-step per rank on
 # 8 GPUs, 8 on one GPU (same curve, 8x the time).
 data_dir = "data/fineweb_edu"
-out_dir = "out/gpt2_124m_fineweb"
 
 model = "gpt2"
 block_size = 1024
@@ -28,4 +27,3 @@ log_interval = 10
 checkpoint_interval = 2000
 
 compile = True
-wandb_group = "gpt2-124m-fineweb"

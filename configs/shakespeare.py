@@ -4,7 +4,6 @@
 # The corpus is only ~300k tokens (~19 steps per epoch), so a 124M model soon memorises it: expect
 # the val loss to turn up after a few epochs. The point here is speed and matching loss curves.
 data_dir = "data/shakespeare"
-out_dir = "out/shakespeare"
 
 model = "gpt2"
 block_size = 1024
@@ -24,4 +23,3 @@ log_interval = 1  # every step's time and loss go to metrics.jsonl for the backe
 checkpoint_interval = 0  # only at the end (and on SIGINT/SIGTERM)
 
 compile = True
-wandb_group = "shakespeare"

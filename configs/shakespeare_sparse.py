@@ -6,7 +6,6 @@
 #       moba:attn=moba,moba_block=128,moba_topk=3 -- configs/shakespeare_sparse.py
 # or one run: python train.py configs/shakespeare_sparse.py --window=256
 data_dir = "data/shakespeare"
-out_dir = "out/shakespeare_sparse"
 
 model = "gpt2"
 block_size = 1024
@@ -32,4 +31,3 @@ log_interval = 1  # every step's time and loss go to metrics.jsonl for the compa
 checkpoint_interval = 0  # only at the end (and on SIGINT/SIGTERM)
 
 compile = True
-wandb_group = "shakespeare-sparse"

@@ -2,7 +2,6 @@
 # pipeline (data, model, optimizer, eval, samples, checkpoint, metrics) runs end to end.
 #   python -m data.shakespeare && python train.py configs/smoke_cpu.py
 data_dir = "data/shakespeare"
-out_dir = "out/smoke_cpu"
 device = "cpu"
 wandb = False
 

@@ -29,7 +29,11 @@ def stream_documents() -> Iterable[str]:
         raise ImportError(
             'FineWeb-Edu is streamed with Hugging Face datasets: pip install datasets (or pip install -e ".[fineweb]")'
         ) from err
-    dataset = datasets.load_dataset(DATASET, name=SUBSET, split="train", streaming=True)
+    try:
+        dataset = datasets.load_dataset(DATASET, name=SUBSET, split="train", streaming=True)
+    except OSError as err:  # ConnectionError, and the Hub's not-found when offline, are OSErrors
+        raise OSError(f"could not open {DATASET} on the Hugging Face Hub ({str(err).splitlines()[0]}); it streams "
+                      "from there: run where the Hub can be reached") from None
     return (row["text"] for row in dataset)
 
 
@@ -106,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokenizer processes (1: tokenize in this process)")
     args = parser.parse_args(argv)
     command = " ".join(["python -m data.fineweb", *(argv if argv is not None else sys.argv[1:])])
-    write_shards(stream_documents(), args.out_dir, args.shard_tokens, args.max_tokens, args.workers, command)
+    try:
+        write_shards(stream_documents(), args.out_dir, args.shard_tokens, args.max_tokens, args.workers, command)
+    except (ImportError, OSError, ValueError) as err:  # no datasets, the Hub out of reach, a bad argument
+        sys.exit(f"data.fineweb: error: {str(err).splitlines()[0]}")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,28 @@
 """Tiny Shakespeare as GPT-2 tokens, one document per speech: [EOT] speech [EOT] speech ... The first 90% of the
 tokens are for training, the rest for validation, cut where a speech starts.
 
-    python -m data.shakespeare                       # downloads the text (1.1 MB)
-    python -m data.shakespeare --input input.txt     # offline: a local copy of the text
+    python -m data.shakespeare                       # the repository's copy of the text -> data/shakespeare/
+    python -m data.shakespeare --input other.txt     # another text with speeches separated by blank lines
+
+The text (1.1 MB, public domain) ships as data/assets/tinyshakespeare.txt, byte for byte char-rnn's
+https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt, so that preparing it,
+and the first `python train.py`, need no network.
 """
 import argparse
 import re
 import sys
-import urllib.request
+from pathlib import Path
 
 import numpy as np
 
 from .shards import shard_path, write_index, write_shard
 from .tokenizer import EOT_TOKEN, get_encoding, to_uint16
 
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
+OUT_DIR = "data/shakespeare"  # the trainer's default data_dir: train.py prepares it on first use
 TRAIN_FRACTION = 0.9
 # speeches are separated by blank lines: a speech starts where a line with text follows one or more blank lines
 SPEECH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
-
-
-def download_text(url: str = URL) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=60) as response:
-            return response.read().decode("utf-8")
-    except OSError as err:  # URLError, timeouts and refused connections are all OSErrors
-        raise RuntimeError(
-            f"could not download tiny shakespeare from {url} ({err}); without internet access, "
-            "pass --input PATH pointing at a local copy of the text"
-        ) from err
 
 
 def split_speeches(text: str) -> list[str]:
@@ -71,21 +65,24 @@ def prepare(text: str, out_dir: str, made_by: str = "python -m data.shakespeare"
     return counts
 
 
+def summary(counts: dict[str, dict[str, int]], out_dir: str) -> str:
+    return ", ".join(f"{split}: {c['tokens']:,} tokens in {c['documents']:,} speeches" for split, c in counts.items()) \
+        + f" -> {out_dir}"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", metavar="PATH", help="read the text from this file instead of downloading it")
-    parser.add_argument("--out_dir", default="data/shakespeare", help="where the shards go")
+    parser.add_argument("--input", metavar="PATH", default=str(TEXT), help="the text (default: the repository's copy)")
+    parser.add_argument("--out_dir", default=OUT_DIR, help="where the shards go")
     args = parser.parse_args(argv)
 
-    if args.input:
+    try:
         with open(args.input, encoding="utf-8") as f:
             text = f.read()
-    else:
-        text = download_text()
+    except (OSError, UnicodeDecodeError) as err:
+        sys.exit(f"data.shakespeare: error: cannot read --input {args.input} ({err}); pass a UTF-8 text file")
     command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
-    counts = prepare(text, args.out_dir, command)
-    print(", ".join(f"{split}: {c['tokens']:,} tokens in {c['documents']:,} speeches" for split, c in counts.items())
-          + f" -> {args.out_dir}")
+    print(summary(prepare(text, args.out_dir, command), args.out_dir))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,30 @@
-"""GPT-2 BPE through tiktoken, giving the uint16 token arrays that shards store."""
+"""GPT-2 BPE through tiktoken, giving the uint16 token arrays that shards store. The BPE ships with the repository
+(data/assets/gpt2_encoder.json, OpenAI's encoder.json), so tokenizing never needs the network."""
+import functools
+import json
+from pathlib import Path
+
 import numpy as np
 import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer pattern (tiktoken >= 0.8)
 
 EOT_TOKEN = 50256  # <|endoftext|>: marks the start of each document in the token stream
 UINT16_LIMIT = 2**16
+ENCODER_JSON = Path(__file__).parent / "assets" / "gpt2_encoder.json"
 
 
+@functools.cache
 def get_encoding() -> tiktoken.Encoding:
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except OSError as err:  # requests' and urllib's network errors are both OSErrors
-        raise RuntimeError(
-            f"could not load the GPT-2 BPE files for tiktoken ({err}). tiktoken downloads them on first "
-            "use: run once with internet access, or set TIKTOKEN_CACHE_DIR to a folder holding the GPT-2 "
-            "BPE files (a copy of an online machine's tiktoken cache)"
-        ) from err
+    """tiktoken's "gpt2" encoding, built from the shipped encoder.json: its token ranks are the BPE's merge order, so
+    it needs no vocab.bpe. encoder.json writes each token's bytes as printable characters: a printable byte (not the
+    space) as itself, each other byte as chr(256 + its place among those others)."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    encoder = json.loads(ENCODER_JSON.read_text(encoding="utf-8"))
+    ranks = {bytes(byte_of[c] for c in token): rank for token, rank in encoder.items() if rank != EOT_TOKEN}
+    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=EOT_TOKEN + 1)
 
 
 def to_uint16(tokens) -> np.ndarray:

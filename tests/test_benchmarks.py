@@ -366,6 +366,20 @@ def toy_token_shards(tmp_path) -> Path:
     return token_shards(tmp_path / "data", 512, {"train": 20_000, "val": 20_000})
 
 
+def test_compare_checks_every_backend_runs_here_before_starting_any(tmp_path, monkeypatch, capsys):
+    # the docstring's CPU example without the interpreter: triton cannot run, so sdpa must not start either
+    from attention import triton_support
+
+    monkeypatch.setattr(triton_support, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        compare.main(["--backends", "sdpa,triton", "--wandb=false", "--out_dir", str(tmp_path / "cmp"), "--",
+                      str(ROOT / "configs" / "smoke_cpu.py")])
+    assert str(stop.value).startswith("compare.py: run 'triton': --attn=triton: the triton attention kernels run on a "
+                                      "CUDA GPU, and this runs on cpu") and "\n" not in str(stop.value)
+    assert not (tmp_path / "cmp").exists() and capsys.readouterr().out == ""  # no run started
+
+
 @pytest.mark.slow
 def test_compare_runs_train_py_per_backend_and_reports(tmp_path):
     data, out = toy_token_shards(tmp_path), tmp_path / "cmp"

@@ -1,12 +1,10 @@
-"""data/: tokenizer, shard writer, tiny shakespeare and FineWeb-Edu preparation, TokenLoader. No network:
-the GPT-2 BPE comes from TIKTOKEN_CACHE_DIR offline, and FineWeb documents are an in-memory list."""
+"""data/: tokenizer, shard writer, tiny shakespeare and FineWeb-Edu preparation, TokenLoader. No network: the GPT-2
+BPE and the tiny shakespeare text ship with the repository, and FineWeb documents are an in-memory list."""
 import itertools
 import json
 import os
 import re
 import sys
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -18,16 +16,14 @@ from data.loader import TokenLoader
 from data.shards import (INDEX, ShardError, check_shard, check_tokens, find_shards, load_shard, read_index, shard_path,
                          write_index, write_shard)
 from data.tokenizer import EOT_TOKEN, encode, get_encoding, to_uint16
+from helpers import run_cli
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak. — café ✓\n"
 
 
 @pytest.fixture(scope="module")
 def enc():
-    try:
-        return get_encoding()
-    except RuntimeError as err:
-        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR when offline): {err}")
+    return get_encoding()
 
 
 # --- tokenizer and shards ---------------------------------------------------------------------------
@@ -51,13 +47,14 @@ def test_to_uint16_rejects_ids_that_do_not_fit(bad):
         to_uint16(bad)
 
 
-def test_get_encoding_offline_error_names_the_fix(monkeypatch):
-    def offline(name):
-        raise ConnectionError("Name or service not known")
-
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    with pytest.raises(RuntimeError, match="TIKTOKEN_CACHE_DIR"):
-        get_encoding()
+def test_the_shipped_bpe_is_tiktokens_gpt2(enc):
+    try:
+        reference = tiktoken.get_encoding("gpt2")  # tiktoken's cache (TIKTOKEN_CACHE_DIR), or a download
+    except Exception as err:  # offline without a cache: requests' errors, or others
+        pytest.skip(f"tiktoken's own GPT-2 BPE is unavailable: {err}")
+    assert enc._mergeable_ranks == reference._mergeable_ranks
+    assert enc.encode(TEXT + "<|endoftext|>", allowed_special="all") == reference.encode(TEXT + "<|endoftext|>",
+                                                                                          allowed_special="all")
 
 
 def test_write_shard_round_trip_leaves_no_temp_file(tmp_path):
@@ -97,7 +94,7 @@ SPEECHES[5] += "\n"  # a play ends: its two blank lines stay with the speech bef
 SPEECHES[7] = SPEECHES[7].replace("Speak", "<|endoftext|>", 1)  # text like any other, not a document boundary
 SPEECHES[-1] = SPEECHES[-1][:-1]  # the text ends with the last speech's newline, no blank line
 PLAY = "".join(SPEECHES)
-REAL_TEXT = os.environ.get("TINYSHAKESPEARE_TXT", "/work/shared/data/tinyshakespeare.txt")
+REAL_TEXT = shakespeare.TEXT
 
 
 def prepared_speeches(tmp_path, text):
@@ -156,7 +153,6 @@ def test_shakespeare_ten_equal_speeches_split_nine_to_one(enc, tmp_path):
     assert np.array_equal(val, np.concatenate(([EOT_TOKEN], encode(speech))))
 
 
-@pytest.mark.skipif(not os.path.isfile(REAL_TEXT), reason=f"no tiny shakespeare text at {REAL_TEXT}")
 def test_shakespeare_real_text_one_document_per_speech(enc, tmp_path):
     with open(REAL_TEXT, encoding="utf-8") as f:
         text = f.read()
@@ -175,13 +171,12 @@ def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path, text):
         shakespeare.prepare(text, str(tmp_path))
 
 
-def test_shakespeare_download_failure_says_pass_input(monkeypatch):
-    def no_network(url, timeout):
-        raise urllib.error.URLError("Name or service not known")
-
-    monkeypatch.setattr(urllib.request, "urlopen", no_network)
-    with pytest.raises(RuntimeError, match="pass --input PATH"):
-        shakespeare.download_text()
+def test_shakespeare_an_unreadable_input_is_one_line(tmp_path):
+    result = run_cli("-m", "data.shakespeare", "--input", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [f"data.shakespeare: error: cannot read --input {tmp_path / 'missing.txt'} "
+                                          f"([Errno 2] No such file or directory: '{tmp_path / 'missing.txt'}'); "
+                                          "pass a UTF-8 text file"]
 
 
 # --- FineWeb-Edu ---------------------------------------------------------------------------------------
@@ -254,6 +249,20 @@ def test_fineweb_without_datasets_says_pip_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
     with pytest.raises(ImportError, match="pip install datasets"):
         fineweb.stream_documents()
+
+
+@pytest.mark.parametrize("datasets", ["missing", "offline"])
+def test_fineweb_preparation_fails_in_one_line(tmp_path, datasets):
+    # a stand-in datasets module: absent, or one whose Hub cannot be reached
+    stand_in = ("None" if datasets == "missing" else
+                "type('datasets', (), {'load_dataset': staticmethod(lambda *a, **k: (_ for _ in ()).throw("
+                "ConnectionError('Name or service not known\\nmore lines')))})")
+    script = (f"import sys; sys.modules['datasets'] = {stand_in}; from data import fineweb; "
+              f"fineweb.main(['--out_dir', {str(tmp_path)!r}])")
+    result = run_cli("-c", script)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("data.fineweb: error: ")
+    assert ("pip install datasets" if datasets == "missing" else "run where the Hub can be reached") in result.stderr
 
 
 # --- TokenLoader ---------------------------------------------------------------------------------------

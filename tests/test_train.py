@@ -7,6 +7,7 @@ test_faults.py kills runs with SIGKILL and damages their checkpoints and data; t
 files themselves.
 """
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -344,6 +345,58 @@ def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     assert not list(tmp_path.glob("*.tmp"))  # no half-written temporary file left behind
 
 
+@pytest.mark.parametrize("where, settings, step", [
+    ("evaluation", dict(eval_interval=1, eval_iters=10**7), 0),
+    ("micro-steps", dict(total_batch_size=4 * 16 * 10**6), 0),  # a step of a million micro-batches
+    ("sampling", dict(sample_interval=1, sample_tokens=10**7, sample_prompt="!"), 1),  # after step 0, at step 1
+])
+def test_sigterm_stops_at_once_wherever_the_run_is(tmp_path, data_dir, where, settings, step):
+    flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path, **settings})
+    proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 90
+    while not (tmp_path / "metrics.jsonl").exists():  # the logger opens it just before the loop starts
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert time.time() - sent < 10, f"the stop inside {where} took {time.time() - sent:.0f} s"
+    assert proc.returncode == 0 and stderr == "", stderr[-3000:]
+    assert stdout.splitlines()[-1].startswith(f"stopped by SIGTERM at step {step}; checkpoint ")
+    checkpoint = read_checkpoint(tmp_path / "ckpt.pt")
+    assert checkpoint["step"] == step
+    # a cut step is read again on resume: the data position is where the step started
+    assert checkpoint["train_loader"] == {"split": "train", "shard": 0, "position": step * 4 * 16}
+
+
+def test_a_signal_during_the_set_up_ends_the_run_in_one_line(tmp_path, data_dir, monkeypatch, capsys):
+    def slow_build(cfg, checkpoint):  # a download of GPT-2's weights, say, that the signal must cut short
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    monkeypatch.setattr(train, "build_model", slow_build)
+    start = time.time()
+    status, out, err = run_main(main_argv(tmp_path / "run", data_dir, max_steps=2), capsys)
+    assert time.time() - start < 30 and status == 1
+    assert err.strip().splitlines() == ["train.py: stopped by SIGTERM before the first step; nothing was saved"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_second_signal_exits_at_once_in_one_line():
+    # under DDP the first signal only sets the flag the ranks read after the step; the second must not wait for it
+    script = ("import os, signal, time, train\n"
+              "with train.StopSignal(immediate=False):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(60)\n")
+    start = time.time()
+    result = run_cli("-c", script, timeout=60)
+    assert time.time() - start < 30 and result.returncode == 128 + signal.SIGTERM
+    assert result.stderr.splitlines() == ["train.py: second SIGTERM: exiting at once, without saving"]
+
+
 def test_lr_schedule_warmup_peak_and_end():
     cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
     assert train.lr_at(0, cfg) == pytest.approx(1e-4)  # 1/10 of the peak: never 0
@@ -365,6 +418,45 @@ def test_flags_and_config_files_apply_left_to_right(tmp_path):
     assert (cfg.dropout, cfg.attn) == (0.25, "naive")
     assert isinstance(cfg.learning_rate, float) and cfg.learning_rate == 1.0  # an int in a float field is widened
     assert parse_args(["--batch_size=2", str(config)]).batch_size == 8  # the file came last: it wins
+
+
+def test_runs_of_other_configs_and_backends_keep_apart(tmp_path, monkeypatch):
+    smoke = str(ROOT / "configs" / "smoke_cpu.py")
+    assert parse_args([smoke]).out_dir == os.path.join("out", "smoke_cpu-sdpa")
+    triton_window = parse_args([smoke, "--attn=triton", "--window=16"])
+    assert triton_window.out_dir == os.path.join("out", "smoke_cpu-triton-window16")
+    assert parse_args(["--doc_mask=true"]).out_dir == os.path.join("out", "default-sdpa-docs")
+    assert parse_args([smoke, "--name=mine"]).out_dir == os.path.join("out", "mine-sdpa")
+    assert parse_args([smoke, "--out_dir=elsewhere"]).out_dir == "elsewhere"
+    # wandb: runs grouped by config, each named by its config, size and attention
+    import wandb
+
+    seen = {}
+    monkeypatch.setattr(wandb, "init", lambda **kw: seen.update(kw) or SimpleNamespace(id="x", finish=lambda: None))
+    RunLogger(parse_args([smoke, "--attn=naive", "--wandb=true", f"--out_dir={tmp_path}"]), 0, None, 3_321_344).close()
+    assert (seen["group"], seen["name"]) == ("smoke_cpu", "smoke_cpu-3.32M-naive")
+
+
+@pytest.mark.parametrize("cuda, argv, config", [
+    (False, [], "shakespeare_cpu.py"),
+    (True, [], "shakespeare.py"),
+    (True, ["--device=cpu"], "shakespeare_cpu.py"),  # the device asked for decides, not the one present
+    (False, ["--attn=naive"], "shakespeare_cpu.py"),
+])
+def test_without_a_config_file_the_machine_picks_one_and_says_so(monkeypatch, capsys, cuda, argv, config):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    chosen = train.with_default_config(argv)
+    assert chosen == [str(ROOT / "configs" / config), *argv]
+    assert capsys.readouterr().out.startswith(f"no config file given: {os.path.relpath(ROOT / 'configs' / config)} (")
+    assert train.with_default_config(["configs/smoke_cpu.py", *argv]) == ["configs/smoke_cpu.py", *argv]
+
+
+def test_a_fresh_run_leaves_no_samples_of_an_earlier_one(tmp_path):
+    (tmp_path / "samples.txt").write_text("--- step 40 ---\nan earlier run's text\n")
+    RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False, sample_interval=0, resume=True), 0, None).close()
+    assert (tmp_path / "samples.txt").exists()  # a resumed run keeps its own
+    RunLogger(TrainConfig(out_dir=str(tmp_path), wandb=False, sample_interval=0), 0, None).close()
+    assert not (tmp_path / "samples.txt").exists()
 
 
 def test_sparse_attention_flags_reach_the_model_config():
@@ -412,6 +504,9 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["--tf32=maybe"], "--tf32 takes true/false/1/0"),
     (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),
     (["batch_size=8"], "'batch_size=8' is neither a config file nor a flag; flags are written --key=value"),
+    (["--lr=1e-3"], "unknown setting 'lr' in the flag '--lr=1e-3'; did you mean learning_rate?"),
+    (["--n_embed=64"], "unknown setting 'n_embed' in the flag '--n_embed=64'; did you mean n_embd?"),
+    (["--epochs=3"], "unknown setting 'epochs' in the flag '--epochs=3'; valid settings: data_dir, name, out_dir"),
 ])
 def test_bad_settings_name_the_problem(argv, message):
     with pytest.raises(ConfigError) as err:
@@ -689,6 +784,41 @@ def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatc
     lines = err.strip().splitlines()
     assert status == 1 and len(lines) == 1 and lines[0].startswith(f"train.py: error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only"])
+def test_an_out_dir_that_cannot_be_written_is_refused_in_one_line(tmp_path, data_dir, monkeypatch, capsys, where):
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "locked").mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root may write anywhere: let the folder read as read-only, as it does to anyone else
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path / "locked") and access(path, mode))
+    out_dir = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "run",
+               "read-only": tmp_path / "locked" / "run"}[where]
+    status, out, err = run_main(main_argv(out_dir, data_dir, max_steps=2), capsys)
+    lines = err.strip().splitlines()
+    assert status == 1 and len(lines) == 1 and "Traceback" not in out + err
+    assert lines[0].startswith(f"train.py: error: out_dir '{out_dir}' cannot be ") and "pass --out_dir=" in lines[0]
+    assert (tmp_path / "file").read_text() == "not a folder" and not list((tmp_path / "locked").iterdir())
+
+
+@pytest.mark.parametrize("flags, offline, message", [
+    (["--block_size=2048"], None, "block_size=2048 is longer than the model's context of 1024 positions; pass "
+                                  "--block_size=1024 or less"),
+    ([], None, "init_from=gpt2: the weights are not in the Hugging Face cache and 127.0.0.1 cannot be reached"),
+    ([], "1", "init_from=gpt2: the weights are not in the Hugging Face cache, and HF_HUB_OFFLINE is set; run once "
+              "online"),
+])
+def test_init_from_gpt2_offline_fails_in_one_line_before_any_download(tmp_path, data_dir, flags, offline, message):
+    # a Hub that refuses connections, and an empty cache: what a machine without network sees, without its waits
+    env = cpu_env(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE=offline)
+    start = time.time()
+    flags = ["--init_from=gpt2", *cli_flags(data_dir=data_dir, out_dir=tmp_path / "run", wandb=False), *flags]
+    result = run_cli("train.py", *flags, env=env, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "Traceback" not in result.stdout + result.stderr
+    assert lines[0].startswith(f"train.py: error: {message}")
+    assert time.time() - start < 60 and not (tmp_path / "hf").exists()  # no retries, nothing fetched
 
 
 def test_build_model_refuses_a_checkpoint_of_another_model(tmp_path):

@@ -6,6 +6,7 @@ A config file is Python that assigns fields (`batch_size = 16`); files and flags
 so flags after a file override it. Every value is checked against its field's type here, so a typo
 fails in the first second of a run instead of after an hour of training.
 """
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass, fields
@@ -23,7 +24,10 @@ class ConfigError(ValueError):
 class TrainConfig:
     # data and output
     data_dir: str = "data/shakespeare"  # folder of {split}_{index:06d}.npy token shards (python -m data.<name>)
-    out_dir: str = "out"  # ckpt.pt, metrics.jsonl, samples.txt and the wandb folder go here
+    name: str = "default"  # the run's name: the config file's, unless set; it starts its out_dir and wandb names
+    # ckpt.pt, metrics.jsonl, samples.txt and the wandb folder go here; "" means out/{name}-{attention_label}
+    # (out/smoke_cpu-sdpa), so that runs of other configs or backends never overwrite each other's records
+    out_dir: str = ""
     resume: bool = False  # continue from {out_dir}/ckpt.pt: same weights, optimizer, data position and RNG
     init_from: str = "scratch"  # "scratch", or GPT-2 weights for GPT.from_pretrained (gpt2, 124M, a file...)
     # model (ignored by init_from, which brings its own shape)
@@ -69,8 +73,8 @@ class TrainConfig:
     log_interval: int = 10  # steps between metrics.jsonl/wandb/console records (the progress bar shows every step)
     wandb: bool = True
     wandb_project: str = "nanoflash"
-    wandb_group: str = ""
-    wandb_run_name: str = ""  # "" names the run {model}-{attn}
+    wandb_group: str = ""  # "" groups the runs by name
+    wandb_run_name: str = ""  # "" names the run {name}-{parameters}-{attention_label}: smoke_cpu-3.32M-sdpa
     # system
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (cuda: bfloat16 if supported, else float16; cpu: float32), float32, bfloat16, float16
@@ -82,6 +86,7 @@ class TrainConfig:
         for f in fields(self):
             setattr(self, f.name, _checked_type(f.name, f.type, getattr(self, f.name)))
         self._check_values()
+        self.out_dir = self.out_dir or os.path.join("out", f"{self.name}-{self.attention_label}")
 
     def _check_values(self):
         positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval",
@@ -123,6 +128,11 @@ class TrainConfig:
                 GPTConfig(**attention)
             except ValueError as err:
                 raise ConfigError(f"model: {err}") from None
+
+    @property
+    def attention_label(self) -> str:
+        """The attention in a word, for folder and run names: sdpa, triton-window256, flex-docs."""
+        return self.attn + (f"-window{self.window}" if self.window else "") + ("-docs" if self.doc_mask else "")
 
     @property
     def decay_steps(self) -> int:
@@ -192,7 +202,14 @@ def _field_types() -> dict[str, type]:
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    return ConfigError(f"unknown setting {key!r} in {where}; valid settings: {', '.join(_field_types())}")
+    names = list(_field_types())
+    # an abbreviation by initials (lr -> learning_rate), else the nearest spelling (batch_sise -> batch_size)
+    initials = [name for name in names if "".join(word[0] for word in name.split("_")) == key]
+    closest = initials or difflib.get_close_matches(key, names, n=1)
+    if closest:
+        return ConfigError(f"unknown setting {key!r} in {where}; did you mean {' or '.join(closest)}? (every setting: "
+                           "docs/training.md)")
+    return ConfigError(f"unknown setting {key!r} in {where}; valid settings: {', '.join(names)}")
 
 
 def read_config_file(path: str) -> dict:
@@ -214,12 +231,13 @@ def read_config_file(path: str) -> dict:
 def parse_args(argv: list[str]) -> TrainConfig:
     """TrainConfig from config files and --key=value flags, applied in the order given."""
     types = _field_types()
-    values = {}
+    values, config_name = {}, {}
     for arg in argv:
         if not arg.startswith("--"):
             if "=" in arg and not os.path.isfile(arg):
                 raise ConfigError(f"{arg!r} is neither a config file nor a flag; flags are written --key=value")
             values.update(read_config_file(arg))
+            config_name = {"name": os.path.splitext(os.path.basename(arg))[0]}  # the last file's, as its settings win
             continue
         key, has_value, text = arg[2:].partition("=")
         if key not in types:
@@ -229,4 +247,4 @@ def parse_args(argv: list[str]) -> TrainConfig:
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
             text = "true"  # a bare --compile means --compile=true
         values[key] = _parse_flag_value(key, types[key], text)
-    return TrainConfig(**values)
+    return TrainConfig(**{**config_name, **values})

@@ -57,12 +57,18 @@ def format_skipped(step: int, loss: float, grad_norm: float, skipped: int, in_a_
             f"| no update; {skipped} skipped in all, {in_a_row} in a row ({limit})")
 
 
+def run_name(cfg, n_params: int | None) -> str:
+    """wandb_run_name, or {name}-{parameters}-{attention}: what ran, at a glance (smoke_cpu-3.32M-sdpa)."""
+    size = f"-{n_params / 1e6:.3g}M" if n_params else ""
+    return cfg.wandb_run_name or f"{cfg.name}{size}-{cfg.attention_label}"
+
+
 class RunLogger:
     """Rank 0's record of a run. A fresh run starts metrics.jsonl anew; a resumed one keeps the
     records before the checkpoint's step and drops later ones, which the crashed run wrote after its
     last save and the resumed run will write again, so the file always holds one unbroken curve."""
 
-    def __init__(self, cfg, start_step: int, wandb_run_id: str | None):
+    def __init__(self, cfg, start_step: int, wandb_run_id: str | None, n_params: int | None = None):
         os.makedirs(cfg.out_dir, exist_ok=True)
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
         kept = self._records_before(start_step) if cfg.resume else []
@@ -71,7 +77,9 @@ class RunLogger:
         self.metrics.flush()
         samples_path = os.path.join(cfg.out_dir, "samples.txt")
         self.samples = open(samples_path, "a" if cfg.resume else "w") if cfg.sample_interval else None
-        self.wandb_run = self._start_wandb(cfg, wandb_run_id) if cfg.wandb else None
+        if not cfg.resume and not cfg.sample_interval and os.path.exists(samples_path):
+            os.remove(samples_path)  # an earlier run's samples must not pass for this one's
+        self.wandb_run = self._start_wandb(cfg, wandb_run_id, n_params) if cfg.wandb else None
 
     def _records_before(self, step: int) -> list[str]:
         kept = []
@@ -87,7 +95,7 @@ class RunLogger:
         return kept
 
     @staticmethod
-    def _start_wandb(cfg, run_id: str | None):
+    def _start_wandb(cfg, run_id: str | None, n_params: int | None):
         import wandb
 
         # wandb.init asks for a key interactively (or fails) without one; offline it logs to disk
@@ -96,9 +104,9 @@ class RunLogger:
             print(f"wandb: no API key found (WANDB_API_KEY or `wandb login`), logging offline under "
                   f"{cfg.out_dir}/wandb; upload later with `wandb sync {cfg.out_dir}/wandb/offline-run-*`")
         # reusing the checkpoint's run id makes a resumed run continue the same wandb curves
-        return wandb.init(project=cfg.wandb_project, group=cfg.wandb_group or None,
-                          name=cfg.wandb_run_name or f"{cfg.model}-{cfg.attn}", config=asdict(cfg),
-                          dir=cfg.out_dir, id=run_id, resume="allow" if run_id else None, mode=mode)
+        return wandb.init(project=cfg.wandb_project, group=cfg.wandb_group or cfg.name, name=run_name(cfg, n_params),
+                          config=asdict(cfg), dir=cfg.out_dir, id=run_id, resume="allow" if run_id else None,
+                          mode=mode)
 
     @property
     def wandb_run_id(self) -> str | None:
