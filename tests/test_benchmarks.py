@@ -368,9 +368,9 @@ def toy_token_shards(tmp_path) -> Path:
 
 def test_compare_checks_every_backend_runs_here_before_starting_any(tmp_path, monkeypatch, capsys):
     # the docstring's CPU example without the interpreter: triton cannot run, so sdpa must not start either
-    from attention import triton_support
+    from attention.flash import device
 
-    monkeypatch.setattr(triton_support, "INTERPRET", False)
+    monkeypatch.setattr(device, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
         compare.main(["--backends", "sdpa,triton", "--wandb=false", "--out_dir", str(tmp_path / "cmp"), "--",

@@ -195,6 +195,13 @@ def test_cpu_tensors_without_interpreter_error(monkeypatch):
         flash_attention(*qkv())
 
 
+def test_bfloat16_in_the_interpreter_is_refused_in_one_line():
+    # Triton's CPU interpreter gets bf16 products wrong: refused, with what works instead
+    with pytest.raises(TypeError, match=r"interpreter \(TRITON_INTERPRET=1\) computes bfloat16 products wrong.*float16 "
+                                        r"or float32 on the CPU"):
+        attention(*qkv(dtype=torch.bfloat16), backend="triton")
+
+
 def test_ops_pass_opcheck():
     # schema, fake-tensor strides vs the real op, AOT dispatch (autograd lives in
     # FlashAttentionFunction, so the ops are checked on inputs that need no grad)

@@ -29,6 +29,9 @@ def check_triton_support(q: torch.Tensor) -> None:
         raise ValueError(f"the triton attention kernels support head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {D}; "
                          "change n_embd / n_head, or use backend='sdpa' for this head size")
     check_triton_device(q.device)
+    if INTERPRET and q.dtype == torch.bfloat16:
+        raise TypeError("Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 products wrong, so the triton "
+                        "kernels refuse bfloat16 there; use float16 or float32 on the CPU, or bfloat16 on a GPU")
 
 
 def check_triton_device(device: torch.device) -> None:
