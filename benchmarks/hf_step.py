@@ -18,7 +18,7 @@ if __name__ == "__main__" and not __package__:
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.report import environment, write_json
+from benchmarks.report import write_results
 from integrations.transformers import register
 
 SHAPES = [(4, 2048), (1, 8192)]  # (batch, tokens per row)
@@ -96,8 +96,7 @@ def main(argv=None):
             f"{args.rounds} rotating rounds of {args.steps} steps\n\n{table(rows)}")
     print(text)
     if args.out_dir:
-        write_json(Path(args.out_dir) / "results.json", {"env": environment(torch.device("cuda")), "rows": rows})
-        (Path(args.out_dir) / "results.md").write_text(text + "\n")
+        write_results(args.out_dir, rows, text)
 
 
 if __name__ == "__main__":

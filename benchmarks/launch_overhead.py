@@ -27,7 +27,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
-from benchmarks.report import environment, write_json
+from benchmarks.report import write_results
 
 def host_us(fn, calls=200) -> float:
     """Mean host time per call with the GPU kept busy, so no call waits for the device."""
@@ -204,8 +204,7 @@ def main(argv=None):
             f"{args.rounds} rotating rounds; triton-again: the A/A pair\n\n{table(rows)}")
     print(text)
     if args.out_dir:
-        write_json(Path(args.out_dir) / "results.json", {"env": environment(torch.device("cuda")), "rows": rows})
-        (Path(args.out_dir) / "results.md").write_text(text + "\n")
+        write_results(args.out_dir, rows, text)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,14 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def write_results(out_dir: str | Path, rows: list[dict], text: str) -> None:
+    """A benchmark's raw rows (results.json, with the machine it ran on) and its printed table (results.md)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "results.json", {"env": environment(torch.device("cuda")), "rows": rows})
+    (out_dir / "results.md").write_text(text + "\n")
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     """rows as CSV; a column for every key any row has (a triton row carries its tuner's choices, others do not)."""
     fieldnames = list(dict.fromkeys(key for row in rows for key in row))

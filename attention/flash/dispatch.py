@@ -4,9 +4,10 @@
     dq, dk, dv = backward(do, q, k, v, o, lse, causal, scale)
     o, lse = forward(q, k, v, causal, scale, mask, varlen)   # varlen (§14): q (total_q, Hq, D), k, v (total_k, Hkv, D)
 
-Which kernels run: on Hopper the tuner (flash/tuner.py, §9) times the `tl` forward (flash/tl_forward.py) against the
-warp-specialized one (flash/hopper/gluon_forward.py, §12), and the two `tl` backward kernels against the warp-specialized backward
-(flash/hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels run.
+Which kernels run: on Hopper the tuner (tuner.py, §9) times the `tl` forward (tl_forward.py) against the
+warp-specialized one (hopper/gluon_forward.py, §12), and the two `tl` backward kernels (tl_backward.py) against the
+warp-specialized backward (hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels
+run.
 NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
 NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
 

@@ -101,7 +101,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
             for i in range(n_full):
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
-                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
+                                    DOT_PRECISION)
             for i in range(n_full, n_listed):
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
@@ -124,7 +125,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
-                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+                                    stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
+                                    DOT_PRECISION)
             for start_m in range(full_end, end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,

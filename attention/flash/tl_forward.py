@@ -92,7 +92,8 @@ def attn_fwd(Q, K, V, O, LSE,
         for i in range(n_full):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
-                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
+                                      DOT_PRECISION)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -117,7 +118,8 @@ def attn_fwd(Q, K, V, O, LSE,
                                           stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
         for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
-                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+                                      stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
+                                      DOT_PRECISION)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)

@@ -108,8 +108,8 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
     -> the choice, (tile, variant), and its Launched (launch.py), whose `again` takes jit_fn's arguments, or for the
     Hopper kernel what its launch's `again` takes.
     args: the kernel's arguments, or a function of BLOCK_M giving them (for kernels whose work lists are cut in
-    tiles, moba/tl_kernels.py). block: a size the tiles must divide (§10, §11). loads: the settings of the kernel's TMA
-    switch to time with every tile, "tma" (descriptor loads) and "pointers", or only "pointers" where descriptors
+    tiles, moba/tl_kernels.py). block: a size the tiles must divide (§10, §11). loads: the settings of the kernel's
+    TMA switch to time with every tile, "tma" (descriptor loads) and "pointers", or only "pointers" where descriptors
     cannot read the tensors; None for a kernel without the switch. hopper: (tiles, launch, call) of the
     warp-specialized forward (§12) where it can run the call, timed beside jit_fn's tiles; launch(tile) runs it and
     returns its Launched, whose again takes call.

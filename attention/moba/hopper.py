@@ -1,5 +1,5 @@
-"""MoBA (attention/moba/reference.py, §11) on the warp-specialized Hopper kernels (§12, §13): every entry, a query and one
-block it reads, becomes a row of one cross-attention problem whose rows and keys see each other through spans
+"""MoBA (reference.py, §11) on the warp-specialized Hopper kernels (§12, §13): every entry, a query and one block it
+reads, becomes a row of one cross-attention problem whose rows and keys see each other through spans
 (§11 "MoBA on the Hopper kernels", §14 "Documents on the Hopper kernels").
 
     layout = entry_layout(selection, block_size, Hkv)     # where each entry's row goes, and the spans
@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ..flash.hopper import backward as hopper_backward
 from ..flash.hopper import forward as hopper_forward
+from ..flash.hopper.shapes import HopperBackwardTile, HopperForwardTile
 from ..flash.dispatch import empty_bthd
 from .tl_kernels import merge_slots
 
@@ -158,8 +159,8 @@ def copyable_rows(t: torch.Tensor) -> torch.Tensor:
 
 # §11 the tiles MoBA's rows run fastest with on the Hopper kernels (docs/perf_notes.md section 11): at hs=128 the
 # forward's 64-key tile, which has registers to spare for the spans, and the backward's staged dK, dV
-FORWARD_TILES = {64: (128, 3, 3, True, 2), 128: (64, 3, 3, True, 2)}
-BACKWARD_TILES = {64: (2, False), 128: (2, True)}
+MOBA_FORWARD_TILE = {64: HopperForwardTile(128, 3, 3, True, 2), 128: HopperForwardTile(64, 3, 3, True, 2)}
+MOBA_BACKWARD_TILE = {64: HopperBackwardTile(2, False), 128: HopperBackwardTile(2, True)}
 
 
 def forward(q, k, v, selection, block_size: int, scale: float):
@@ -171,7 +172,7 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     o_rows = q.new_empty(1, 1, src.shape[0], D)
     lse_rows = torch.empty(1, 1, src.shape[0], dtype=torch.float32, device=q.device)
     # §11 the rows' attention to their blocks (not causal: the own rows' spans end at their query)
-    hopper_forward.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, FORWARD_TILES[D], (row_spans, None),
+    hopper_forward.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, MOBA_FORWARD_TILE[D], (row_spans, None),
                           row_src=src)
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
@@ -190,7 +191,7 @@ def backward(do, q, k, v, o, lse, src, key_spans, scale: float):
     # rows of the head being worked on meet in L2
     dq_acc = torch.zeros(B * Hq * T, D, dtype=torch.float32, device=q.device)
     hopper_backward.backward(do, q, *key_rows(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
-                                    BACKWARD_TILES[D], (key_spans, None), gathered=(src, dq_acc))
+                                    MOBA_BACKWARD_TILE[D], (key_spans, None), gathered=(src, dq_acc))
     dq = empty_bthd(B, Hq, T, D, q)
     hopper_backward.finish_dq(dq_acc, dq, T, scale)
     return dq, dk, dv

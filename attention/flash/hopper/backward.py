@@ -4,8 +4,8 @@ warp-specialized kernel (gluon_backward.py: the algorithm, its warps and barrier
     launched = backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile)   # three launches; launched.again repeats
 
 The float32 dQ adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
-bit-deterministic (dK and dV are). dispatch.backward takes the `tl` kernels where torch.use_deterministic_algorithms(True)
-asks for determinism.
+bit-deterministic (dK and dV are). dispatch.backward takes the `tl` kernels where
+torch.use_deterministic_algorithms(True) asks for determinism.
 """
 import torch
 import triton
@@ -15,7 +15,8 @@ from ..device import HAS_GLUON
 from ..launch import Launched, launch
 from ..tl_tiles import LOG2E
 from .forward import forward_supports, tma_can_read
-from .shapes import BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK, HopperBackwardTile
+from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
+                     HopperBackwardTile)
 
 if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows

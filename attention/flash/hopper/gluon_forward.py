@@ -14,11 +14,8 @@ head) each (one item, or with a persistent grid a share of them in pairs: _work_
                       O through a staging tile in shared memory to the copy engine, which stores it while the
                       warpgroup goes on (§12 "O leaves by the copy engine").
 
-`tl` cannot say any of this on Hopper (docs/perf_notes.md: Triton 3.6's automatic warp specialization
-hangs there, and `tl` waits for every matmul at once). Gluon, Triton's lower-level language, makes the
-layouts, shared memory, barriers and warp partitions explicit. dispatch.forward's tuner times this
-kernel against the `tl` one on sm_90 and keeps the faster for each shape. Gluon has no CPU interpreter: its
-tests run on the GPU (tests/test_triton_hopper.py), and CI builds it for sm_90 (benchmarks/hopper_build.py).
+Why Gluon (Triton's lower-level language: layouts, shared memory, barriers and warp partitions made explicit), when
+this kernel runs and how it is tested: forward.py, its host side.
 
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land). K and V
 share one ring of K_STAGES slots (K_STAGES == V_STAGES), or each has its own (split rings, V_STAGES < K_STAGES: the
@@ -33,7 +30,6 @@ that saves holds O's staging tiles at hs=128; §12 "Split rings"):
 The j-th key tile a program loads (counted over its items) lives in slot j % slots of its ring, in that slot's phase
 (j // slots) & 1. No barrier spans the whole program, so no warpgroup waits for another.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -41,17 +37,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .gluon_common import document_span, gather_rows, row_sources, same_document, tma_load, tma_store
-from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, SHARED_BYTES
+from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
-
-@triton.constexpr_function
-def _o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
-    """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K and V
-    rings, 16-bit elements; not at hs=128 with 128-key tiles in 3 + 3 slots: there the consumers store O from
-    registers (in 3 + 2 slots, split rings, it fits). attn_fwd_ws allocates by it and _softmax_rows stores by
-    it."""
-    rows = (q_buffers + 1) * consumers * ROWS + (k_stages + v_stages) * block_n
-    return rows * head_dim * 2 <= SHARED_BYTES
 
 @gluon.jit
 def program_items(n_work, per_turn):
@@ -247,8 +234,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
     CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N,
-                                       HEAD_DIM)  # as attn_fwd_ws allocated
+    O_STAGED: gl.constexpr = o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)  # as allocated
     DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
     # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -471,8 +457,8 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [Q_BUFFERS * CONSUMERS, ROWS, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    # O's staging tiles, one per consumer, where they fit (_o_staged)
-    O_STAGED: gl.constexpr = _o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)
+    # O's staging tiles, one per consumer, where they fit (shapes.o_staged)
+    O_STAGED: gl.constexpr = o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)
     if O_STAGED:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
     else:

@@ -6,6 +6,7 @@ constants, so the host side reads them where Gluon is missing too.
 """
 from typing import NamedTuple
 
+import triton
 import triton.language as tl
 
 
@@ -80,3 +81,13 @@ QUERY_BLOCK = tl.constexpr(64)
 # (and its Q, dO loads) meet there instead of in DRAM; the exact size matters little (§13 "Where the adds meet";
 # docs/perf_notes.md, 'Head groups: where the adds meet')
 DQ_GROUP_BYTES = 8 << 20
+
+
+@triton.constexpr_function
+def o_staged(q_buffers, consumers, k_stages, v_stages, block_n, head_dim):
+    """Whether O's staging tiles (one per consumer) fit in shared memory beside the Q buffers and the K and V
+    rings, 16-bit elements; not at hs=128 with 128-key tiles in 3 + 3 slots: there the consumers store O from
+    registers (in 3 + 2 slots, split rings, it fits). gluon_forward.attn_fwd_ws allocates by it and
+    gluon_forward._softmax_rows stores by it."""
+    rows = (q_buffers + 1) * consumers * ROWS + (k_stages + v_stages) * block_n
+    return rows * head_dim * 2 <= SHARED_BYTES
