@@ -231,6 +231,7 @@ def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, DQ_ACC, dq_sme
         gl.atomic_add(DQ_ACC + targets[:, None] + cols[None, :], gl.convert_layout(dq, add_layout),
                       mask=(targets >= 0)[:, None], sem="relaxed")
 
+# One function, not phases, as gluon_forward._softmax_rows and for its reason (docs/perf_notes.md section 12).
 @gluon.jit
 def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,

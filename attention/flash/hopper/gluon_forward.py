@@ -1,4 +1,5 @@
-"""The forward pass on Hopper (H100, H200), warp-specialized: FlashAttention-3's layout, in Gluon (§12).
+"""The forward pass on Hopper (H100, H200), warp-specialized: FlashAttention-3's layout, in Gluon (§12). Why Gluon,
+when this kernel runs and how it is tested: forward.py, its host side.
 
 The math is the `tl` forward's, tl_forward.attn_fwd (§2 online softmax, §4 log-sum-exp, §6 causal alignment,
 §8 exp2 and fully-masked rows); what changes is which warps do what. There, every warp of a program loads,
@@ -13,9 +14,6 @@ head) each (one item, or with a persistent grid a share of them in pairs: _work_
                       warpgroup's softmax runs while the tensor cores multiply (§12 says whose products); then
                       O through a staging tile in shared memory to the copy engine, which stores it while the
                       warpgroup goes on (§12 "O leaves by the copy engine").
-
-Why Gluon (Triton's lower-level language: layouts, shared memory, barriers and warp partitions made explicit), when
-this kernel runs and how it is tested: forward.py, its host side.
 
 Synchronisation, per ring slot s, with mbarriers (a phase bit flips each time the expected arrivals land). K and V
 share one ring of K_STAGES slots (K_STAGES == V_STAGES), or each has its own (split rings, V_STAGES < K_STAGES: the
@@ -219,6 +217,8 @@ def _softmax_step(s, m_i, l_i, qk_scale):
     alpha = gl.exp2(m_i - m_ref)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
+# One function, not phases: Gluon inlines @gluon.jit helpers, but split into them (its epilogue, say) the document
+# builds come out of ptxas scheduled and allocated otherwise (docs/perf_notes.md section 12): a split waits for a GPU.
 @gluon.jit
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
