@@ -209,3 +209,28 @@ def test_backward_choice_without_tuning_keeps_the_tl_kernels(monkeypatch, store)
     choice = tuner.backward_choice(*fake_backward_kernels(launched), [(2, False)], 128, True, False, torch.float16,
                                           300, 300, ())
     assert choice is None and launched == []  # nothing ran: the caller's run is the first
+
+
+def test_a_kernels_choice_is_kept_on_disk_and_a_new_process_times_nothing(monkeypatch, store):
+    monkeypatch.setattr(tuner, "INTERPRET", False)
+    monkeypatch.setattr(tiles, "INTERPRET", False)  # the GPU's candidates
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(tuner, "best_tile", {})
+    launched, timings = [], []
+    monkeypatch.setattr(tuner, "launch", lambda fn, grid, args, **constants: launched.append(
+        (constants["BLOCK_M"], constants["BLOCK_N"])) or types.SimpleNamespace(again=lambda *args: None))
+
+    def timed(first_runs):
+        timings.append(list(first_runs))
+        return {choice: (0.1 if i == 1 else 0.2) for i, choice in enumerate(first_runs)}  # the second is fastest
+    monkeypatch.setattr(tuner, "timed", timed)
+    constants = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True)
+    call = ("dq", "kernel", lambda block_m, block_n: (1, 1), (), constants, 1000, 1000, torch.bfloat16)
+    choice, _ = tuner.tuned_launch(*call)
+    second = tiles.TL_TILES["dq"][64][1]
+    assert choice == (second, None) and len(timings) == 1 and launched == [(second.block_m, second.block_n)]
+    monkeypatch.setattr(tuner, "best_tile", {})  # a new process: nothing in memory, the same file on disk
+    store()
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("timed a key kept on disk"))
+    choice, _ = tuner.tuned_launch(*call)
+    assert choice == (second, None) and isinstance(choice[0], tiles.TlTile)
