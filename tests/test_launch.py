@@ -1,5 +1,5 @@
 """attention/flash/launch.py: two launches share a key only if Triton would compile them alike, so a kept kernel never
-runs on arguments it was not compiled for. triton_dispatch's launch plans: likewise one plan per dense call that
+runs on arguments it was not compiled for. dispatch.py's launch plans: likewise one plan per dense call that
 launches alike, and later calls run it on their own tensors."""
 import types
 
