@@ -3,6 +3,7 @@
     python train.py configs/smoke_cpu.py                          # seconds, on a CPU
     python train.py configs/shakespeare.py --attn=triton          # one GPU
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m_fineweb.py
+    torchrun --standalone --nproc_per_node=2 train.py configs/shakespeare.py --parallel=fsdp  # sharded
     python train.py configs/shakespeare.py --resume               # continue out_dir/ckpt.pt
 
 Every setting, with its default, is a field of TrainConfig (training/config.py); docs/training.md
@@ -17,6 +18,7 @@ import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, replace
+from functools import partial
 from urllib.parse import urlparse
 
 import numpy as np
@@ -32,8 +34,9 @@ from data.tokenizer import EOT_TOKEN, get_encoding
 from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
-from training.distributed import (World, close_process_group, gather_to_main, init_process_group,
-                                  sum_across_ranks, wait_for_all_ranks, world_from_env)
+from training.distributed import (LostRankError, World, broadcast_from_main, close_process_group, fsdp_no_sync,
+                                  full_state, gather_to_main, init_process_group, load_optimizer_state, local,
+                                  lost_contact, shard, sum_across_ranks, wait_for_all_ranks, world_from_env)
 from training.logger import RunLogger, format_skipped, format_step, peak_flops
 from training.step import TrainStep
 
@@ -123,6 +126,10 @@ def pick_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
         name = "float32" if device.type == "cpu" else "bfloat16" if bf16_ok else "float16"
     if name == "bfloat16" and not bf16_ok:
         raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bfloat16; pass --dtype=float16")
+    if name == "float16" and cfg.parallel == "fsdp":
+        # the loss scaler would judge each rank's gradient shard alone, and the ranks would skip steps apart
+        raise ConfigError("parallel=fsdp does not train in float16 (its loss scaler sees one shard); pass "
+                          "--dtype=bfloat16 or --dtype=float32, or --parallel=ddp")
     return getattr(torch, name)
 
 
@@ -314,19 +321,22 @@ def train(cfg: TrainConfig) -> None:
     check_attention_device(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the process group, so NCCL binds to this GPU
-    init_process_group(world, device)
+    init_process_group(world, device, cfg.dist_timeout)
     try:
         with StopSignal(immediate=world.size == 1) as stop:
             run(cfg, world, device, stop)
         # rank 0 is still writing the checkpoint; gloo can abort a rank that tears the group down
         # while another still uses it, so all leave together (not after an error: that would hang)
         wait_for_all_ranks()
+    except RuntimeError as err:
+        raise lost_contact(err) or err
     finally:
         close_process_group()
 
 
 def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) -> None:
-    # a different seed per rank gives each its own dropout masks; DDP copies rank 0's initial weights to all
+    # a different seed per rank gives each its own dropout masks; DDP (and broadcast_from_main before FSDP2
+    # shards the model) copies rank 0's initial weights to all
     for seed_fn in (random.seed, np.random.seed, torch.manual_seed):
         seed_fn(cfg.seed + world.rank)
     set_tf32(cfg, device)
@@ -341,6 +351,11 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     start_step = checkpoint["step"] if checkpoint else 0
 
     raw_model = build_model(cfg, checkpoint).to(device)
+    distributed = torch.distributed.is_initialized()
+    sharded = distributed and cfg.parallel == "fsdp"
+    if sharded:  # before the optimizer is built: it must hold the shards
+        broadcast_from_main(raw_model)
+        shard(raw_model)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
     # loss scaling keeps small fp16 gradients from flushing to zero; bf16 and fp32 do not need it
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -349,16 +364,18 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     train_loader = open_loader(cfg, "train", world, vocab_size)
     val_loader = open_loader(cfg, "val", world, vocab_size) if cfg.eval_interval else None
     val_start = val_loader.state_dict() if val_loader else None
-    prompt = prompt_tokens(cfg, vocab_size) if cfg.sample_interval and world.is_main else None
+    # a sharded model's forward is a collective: every rank samples (the same tokens), rank 0 logs them
+    samples_here = world.is_main or sharded
+    prompt = prompt_tokens(cfg, vocab_size) if cfg.sample_interval and samples_here else None
     best_val_loss = math.inf
     if checkpoint:
         try:
-            optimizer.load_state_dict(checkpoint["optimizer"])
+            load_optimizer_state(raw_model, optimizer, checkpoint["optimizer"], sharded)
             scaler.load_state_dict(checkpoint["scaler"])
             train_loader.load_state_dict(checkpoint["train_loader"])
         except ShardError:
             raise  # a damaged shard names itself
-        except (ValueError, KeyError, RuntimeError) as err:
+        except (ValueError, KeyError, IndexError, RuntimeError) as err:
             raise ConfigError(f"the checkpoint's optimizer or data state does not fit this run ({err}); resume with "
                               "the settings and data_dir that trained it") from None
         best_val_loss = checkpoint["best_val_loss"]
@@ -369,11 +386,12 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                   "random streams (dropout) start fresh; data order and weights continue exactly")
 
     model = torch.compile(raw_model) if cfg.compile else raw_model
-    ddp = torch.distributed.is_initialized()
-    if ddp:
+    no_sync = partial(fsdp_no_sync, raw_model) if sharded else None
+    if distributed and not sharded:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        no_sync = model.no_sync
     optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
-                               device, grad_accum, cfg.grad_clip, world.size, ddp, cfg.nonfinite != "off",
+                               device, grad_accum, cfg.grad_clip, world.size, no_sync, cfg.nonfinite != "off",
                                interruptible=stop.interruptible)
     stop.hold()  # the logger's files and the loop's state must stay whole: from here on, see StopSignal
 
@@ -384,6 +402,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     if world.is_main:
         sparsity = "".join(f", {key}={value}" for key, value in raw_model.config.sparsity().items())
         print(f"{raw_model.num_params() / 1e6:.1f}M parameters, attn={cfg.attn}{sparsity}, {device}, {dtype}, "
+              + (f"parallel={cfg.parallel}, " if distributed else "") +
               f"{world.size} process(es) x {grad_accum} micro-batch(es) of {cfg.batch_size}x{cfg.block_size} "
               f"= {tokens_per_step:,} tokens/step" + (f", resuming at step {start_step}" if checkpoint else "")
               + f"; records in {cfg.out_dir}")
@@ -391,16 +410,18 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
     def save(step: int) -> None:
-        # a non-finite weight never reaches a checkpoint: the last good one stays the newest
-        if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():  # one host sync
+        # a non-finite weight never reaches a checkpoint: the last good one stays the newest. Each rank checks what
+        # it holds (an FSDP2 shard) and the ranks add up their verdicts, so all raise alike
+        finite = torch.stack([torch.isfinite(local(p)).all() for p in raw_model.parameters()]).all()
+        if sum_across_ranks((~finite).float()).item():  # one host sync
             raise NonFiniteError(f"the weights hold non-finite values at step {step}, so nothing was saved; lower "
                                  f"--learning_rate or --grad_clip; {checkpoints.where_to_resume()}")
-        rng = gather_to_main(rng_state())  # a collective: every rank takes part
+        rng = gather_to_main(rng_state())  # collectives: every rank takes part
+        weights, optimizer_state = full_state(raw_model, optimizer, sharded)
         if world.is_main:
             checkpoints.save({
                 # the unwrapped module: no DDP `module.` or torch.compile `_orig_mod.` key prefixes
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                "model": weights, "optimizer": optimizer_state, "scaler": scaler.state_dict(),
                 "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
                 "step": step, "best_val_loss": best_val_loss, "train_loader": train_loader.state_dict(),
                 "rng": rng, "wandb_run_id": logger.wandb_run_id, "skipped_steps": skipped,
@@ -422,11 +443,12 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                 if world.is_main:
                     logger.log_val(step, val_loss, cfg.attn)
                     bar.write(f"step {step}: val loss {val_loss:.4f}")
-            if world.is_main and cfg.sample_interval and ((step and step % cfg.sample_interval == 0) or last):
+            if samples_here and cfg.sample_interval and ((step and step % cfg.sample_interval == 0) or last):
                 with stop.interruptible():
                     text = sample_text(raw_model, prompt, cfg, step, autocast, device)
-                logger.log_sample(step, text)
-                bar.write(f"step {step} sample:\n{text}")
+                if world.is_main:
+                    logger.log_sample(step, text)
+                    bar.write(f"step {step} sample:\n{text}")
             if last:
                 break
 
@@ -493,7 +515,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
 def main(argv: list[str]) -> None:
     try:
         train(parse_args(with_default_config(argv)))
-    except (ConfigError, CheckpointError, ShardError, NonFiniteError) as err:
+    except (ConfigError, CheckpointError, ShardError, NonFiniteError, LostRankError) as err:
         sys.exit(f"train.py: error: {err}")
     except Stopped as stopped:
         sys.exit(f"train.py: stopped by {stopped} before the first step; nothing was saved")

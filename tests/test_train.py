@@ -697,7 +697,7 @@ def tiny_train_step(tmp_path, data_dir, check_finite: bool, scaler: bool = False
     loader = train.open_loader(tiny_config(tmp_path, data_dir), "train", train.World(), VOCAB)
     step = TrainStep(model, model.parameters(), optimizer, torch.amp.GradScaler("cpu", enabled=scaler),
                      loader.next_batch, nullcontext(), torch.device("cpu"), grad_accum=1, grad_clip=1.0, world_size=2,
-                     ddp=False, check_finite=check_finite)
+                     no_sync=None, check_finite=check_finite)
     return step, model, optimizer
 
 
@@ -748,7 +748,7 @@ def test_train_step_refuses_an_optimizer_that_cannot_skip_on_the_device(tmp_path
     unfused = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="build it with fused=True"):
         TrainStep(model, model.parameters(), unfused, torch.amp.GradScaler("cpu", enabled=False), None,
-                  nullcontext(), torch.device("cpu"), 1, 1.0, 1, False, check_finite=True)
+                  nullcontext(), torch.device("cpu"), 1, 1.0, 1, None, check_finite=True)
 
 
 # --- the wrong machine, the wrong checkpoint ------------------------------------------------------------------------

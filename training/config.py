@@ -79,6 +79,10 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda if available, else cpu), cpu, cuda, cuda:N
     dtype: str = "auto"  # auto (cuda: bfloat16 if supported, else float16; cpu: float32), float32, bfloat16, float16
     compile: bool = False  # torch.compile the model
+    # under torchrun: "ddp" replicates the model on every process; "fsdp" shards weights, gradients and optimizer
+    # state across them (FSDP2), for models one GPU cannot hold. One process trains the whole model either way
+    parallel: str = "ddp"
+    dist_timeout: int = 600  # seconds a collective waits for a lost or hung rank before the run exits
     tf32: bool = True  # CUDA float32 matmuls on TF32 tensor cores (faster, ~1e-3 relative error); false: exact fp32
     seed: int = 1337
 
@@ -90,7 +94,7 @@ class TrainConfig:
 
     def _check_values(self):
         positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval",
-                    "sample_tokens")
+                    "sample_tokens", "dist_timeout")
         non_negative = ("n_layer", "n_head", "n_embd", "total_batch_size", "warmup_steps", "lr_decay_steps",
                         "eval_interval", "sample_interval", "checkpoint_interval")
         for name in positive:
@@ -115,6 +119,8 @@ class TrainConfig:
             raise ConfigError(f"max_skipped_steps must be at least 1, got {self.max_skipped_steps}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"unknown parallel={self.parallel!r}; choose one of: ddp, fsdp")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ConfigError(f"unknown device={self.device!r}; choose one of: auto, cpu, cuda, cuda:N")
         if self.wandb and importlib.util.find_spec("wandb") is None:

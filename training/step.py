@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .distributed import sum_across_ranks
+from .distributed import local, sum_across_ranks
 
 
 class StepResult(NamedTuple):
@@ -26,20 +26,21 @@ class StepResult(NamedTuple):
 
 
 class TrainStep:
-    """step(lr, stop_requested) -> StepResult. model: what the batches run through (compiled, DDP-wrapped);
+    """step(lr, stop_requested) -> StepResult. model: what the batches run through (compiled, DDP-wrapped, sharded);
+    no_sync(): the context that skips the gradient sync on all but the last micro-step (None: one process);
     params: the parameters to clip; optimizer: a fused one (AdamW(fused=True), which takes found_inf);
     batches(): the next (x, y) on the CPU. check_finite: skip the update on a non-finite loss or gradient norm.
     interruptible(): the context the forward and backward passes run in (train.py's StopSignal stops a run there at
     once; never in the update)."""
 
     def __init__(self, model, params, optimizer, scaler, batches, autocast, device: torch.device, grad_accum: int,
-                 grad_clip: float, world_size: int, ddp: bool, check_finite: bool, interruptible=nullcontext):
+                 grad_clip: float, world_size: int, no_sync, check_finite: bool, interruptible=nullcontext):
         if not optimizer.defaults.get("fused"):
             raise ValueError("TrainStep skips non-finite updates inside a fused optimizer; build it with fused=True")
         self.model, self.params, self.optimizer, self.scaler = model, list(params), optimizer, scaler
         self.batches, self.autocast, self.device = batches, autocast, device
         self.grad_accum, self.grad_clip, self.world_size = grad_accum, grad_clip or math.inf, world_size
-        self.ddp, self.check_finite, self.interruptible = ddp, check_finite, interruptible
+        self.no_sync, self.check_finite, self.interruptible = no_sync, check_finite, interruptible
 
     def __call__(self, lr: float, stop_requested: bool) -> StepResult:
         for group in self.optimizer.param_groups:
@@ -50,15 +51,15 @@ class TrainStep:
             for micro_step in range(self.grad_accum):
                 x, y = self.batches()
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                # DDP all-reduces gradients in every backward: only the last micro-step's is needed
+                # DDP and FSDP2 sync gradients in every backward: only the last micro-step's is needed
                 last_micro = micro_step == self.grad_accum - 1
-                with nullcontext() if last_micro or not self.ddp else self.model.no_sync():
+                with nullcontext() if last_micro or self.no_sync is None else self.no_sync():
                     with self.autocast:
                         _, loss = self.model(x, y)
                     loss_sum += loss.detach()
                     self.scaler.scale(loss / self.grad_accum).backward()  # / grad_accum: the whole batch's mean
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        grad_norm = local(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))  # FSDP2: a replicated DTensor
         not_finite = torch.zeros((), device=self.device)
         if self.check_finite:
             finite = torch.isfinite(loss_sum)
