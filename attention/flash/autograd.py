@@ -5,7 +5,7 @@ nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake 
 implementations (ops.py), so torch.compile(fullgraph=True) traces straight through them without a
 graph break; FlashAttentionFunction wires the backward op to the forward for autograd.
 
-    from attention.autograd import flash_attention
+    from attention.flash.autograd import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
 
 Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's tensors through the
@@ -31,12 +31,11 @@ MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_
 
 
 def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
-               window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
-               max_seqlen_q: int = 0, max_seqlen_k: int = 0):
+                  window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                      max_seqlen_k)
+    varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
 
 
@@ -177,7 +176,7 @@ def kernel_mask_args(mask) -> dispatch.MaskArgs:
     # §14 documents alone (causal or not) the Hopper kernels keep to themselves, from each position's span
     spans = mask.document_spans() if mask.only_documents() and is_hopper(docs.device) else None
     return dispatch.MaskArgs(mask.kv_blocks(), mask.q_blocks(), mask.window,
-                                 docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size, spans)
+                             docs if docs is None else docs.contiguous(), mask.tile_bits, mask.block_size, spans)
 
 
 def flash_attention(

@@ -94,7 +94,8 @@ def planned(again: Callable, first_args: tuple, inputs: tuple) -> Callable | Non
         return None
     places = [(j, where[id(arg.base if is_descriptor(arg) else arg)]) for j, arg in enumerate(first_args)
               if id(arg.base if is_descriptor(arg) else arg) in where]
-    template = [None if any(j == place for place, _ in places) else arg for j, arg in enumerate(first_args)]
+    filled = {j for j, _ in places}
+    template = [None if j in filled else arg for j, arg in enumerate(first_args)]
 
     def run(*values):
         args = template.copy()
