@@ -187,13 +187,16 @@ def test_through_the_op_with_hopper_kernels(monkeypatch, head_dim):
 
 
 @pytest.mark.gpu
-def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch):
-    # both Hopper kernels' plans (descriptor templates re-aimed at each call's tensors), on fresh values each call
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_plans_run_later_calls_on_their_own_tensors(monkeypatch, head_dim):
+    # both Hopper kernels' plans (descriptor templates re-aimed at each call's tensors), on fresh values and another
+    # scale each call: the scale is no part of a plan key, and at hs=128 the pre-pass takes lse in units of 1 / scale
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     taken = whole_paths(monkeypatch)
     torch.manual_seed(0)
-    for _ in range(3):
-        assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, 64, torch.bfloat16, device="cuda"), causal=True)
+    for scale in (None, 0.3, 0.05):
+        assert_matches_fp64(*qkv(2, 4, 2, 1000, 1000, head_dim, torch.bfloat16, device="cuda"), causal=True,
+                            scale=scale)
     assert taken == ["_forward_plan", "_backward_plan"]
 
 

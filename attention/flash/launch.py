@@ -18,7 +18,6 @@ next calls specialise as this one did (dispatch.py's launch plans: same shapes, 
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key, and `planned`
 turns the first call's arguments into a plan whose per-call work is filling the inputs' places.
 """
-import copy
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -88,9 +87,11 @@ def launch(fn, grid: tuple, args: tuple, **constants) -> Launched:
 def planned(again: Callable, first_args: tuple, inputs: tuple) -> Callable | None:
     """-> run(*values): again(*first_args) with each place that held inputs[i] (or a descriptor of it) taking values[i]:
     a launch plan whose per-call work is the inputs' places alone (dispatch.py). None where two inputs are one object
-    (the first call cannot tell their places apart). The plan keeps no input of the first call alive."""
-    where = {id(x): i for i, x in enumerate(inputs)}
-    if len(where) < len(inputs):
+    (the first call cannot tell their places apart); an input that is None keeps its places' None. The plan keeps no
+    input of the first call alive."""
+    given = [(id(x), i) for i, x in enumerate(inputs) if x is not None]  # a None stays the first call's None
+    where = dict(given)
+    if len(where) < len(given):
         return None
     places = [(j, where[id(arg.base if is_descriptor(arg) else arg)]) for j, arg in enumerate(first_args)
               if id(arg.base if is_descriptor(arg) else arg) in where]
@@ -114,7 +115,8 @@ def rebased(desc, t: torch.Tensor | None):
     """desc reading t instead: for a tensor of desc's dtype, shape, strides and alignment (a launch key or a plan key
     promises them), without the checks a descriptor's construction runs (host time on every call), which desc
     already passed. t None: a template that keeps no tensor alive."""
-    aimed = copy.copy(desc)  # a shallow copy: no __init__, so no checks
+    aimed = type(desc).__new__(type(desc))  # a shallow copy without __init__'s checks, and without copy.copy's pickling
+    aimed.__dict__.update(desc.__dict__)  # protocol, which costs more host time than the copy itself
     aimed.base = t
     return aimed
 

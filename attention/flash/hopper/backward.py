@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..device import HAS_GLUON
-from ..launch import Launched, launch
+from ..launch import Launched, launch, planned
 from ..tl_tiles import LOG2E
 from .forward import forward_supports, tma_can_read
 from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
@@ -91,11 +91,13 @@ def row_values_first(head_dim: int) -> bool:
     return head_dim == 128
 
 
-def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float) -> Launched:
-    """dq (B, H, Tq, D), any strides, = scale * the float32 dS K in dq_acc (B*H*Tq_pad, D) (attn_bwd_finish_dq)."""
+def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float) -> tuple[Launched, tuple]:
+    """dq (B, H, Tq, D), any strides, = scale * the float32 dS K in dq_acc (B*H*Tq_pad, D) (attn_bwd_finish_dq).
+    -> its Launched and arguments."""
     B, H, Tq, D = dq.shape
-    return launch(attn_bwd_finish_dq, (triton.cdiv(Tq, QUERY_BLOCK.value), B * H),
-                  (dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale), HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
+    args = (dq_acc, dq, *dq.stride()[:3], H, Tq, Tq_pad, scale)
+    return launch(attn_bwd_finish_dq, (triton.cdiv(Tq, QUERY_BLOCK.value), B * H), args, HEAD_DIM=D,
+                  ROWS=QUERY_BLOCK.value), args
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
@@ -131,9 +133,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
         return 1 / scale if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
-    first_prepare = launch(attn_bwd_prepare, rows_grid,
-                           (o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale)),
-                           HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
+    unit = lse_unit(scale)
+    prepare_args = (o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, unit)
+    first_prepare = launch(attn_bwd_prepare, rows_grid, prepare_args, HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (descriptor(t, KEY_BLOCK.value, swizzle=D) for t in (k, v))
     if row_src is None:
@@ -159,18 +161,29 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     dkdv = [descriptor(t, KEYS.value, swizzle=D) for t in (dk, dv)] if staged else [dk, dv]
     sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
-    first_main = launch(attn_bwd_ws, main_grid, (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides,
-                                                  rows_args[4], *sources, *sizes_main, scale,
-                                                  *document_args(documents)),
-                        STAGES=stages, ROWS_FIRST=rows_first, num_warps=4, maxnreg=BACKWARD_LAUNCH_REGS)
+    main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
+                 *document_args(documents))
+    first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
+                        maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
-    first_finish = finish_dq(dq_acc, dq, T_pad, scale)
-    # again keeps no tensor of this call: each descriptor's place takes its tensor (launch.BoundLaunch)
-    def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
-        lse_row, delta_row, dq_acc = buffers()
-        first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
-        first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main, scale,
-                         *document_args(documents))
-        first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
+    first_finish, finish_args = finish_dq(dq_acc, dq, T_pad, scale)
+    # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
+    # launch.BoundLaunch), so again keeps no tensor of this call
+    first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, unit, *(documents or ()))
+    plans = [planned(first.again, args, first_call) for first, args in ((first_prepare, prepare_args),
+                                                                        (first_main, main_args),
+                                                                        (first_finish, finish_args))]
+    if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
+            lse_row, delta_row, dq_acc = buffers()
+            first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
+            first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main,
+                             scale, *document_args(documents))
+            first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
+    else:
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
+            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *(documents or ()))
+            for plan in plans:
+                plan(*call)
     return Launched(first_main.compiled, again)
