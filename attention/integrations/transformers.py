@@ -2,9 +2,9 @@
 
     import torch
     from transformers import AutoModelForCausalLM
-    from integrations.transformers import register
+    from nanoflash.integrations.transformers import register   # from a checkout: attention.integrations...
 
-    name = register("triton")   # -> "nanoattn_triton"; any backend of attention.available_backends()
+    name = register("triton")   # -> "nanoattn_triton"; any backend of available_backends()
     model = AutoModelForCausalLM.from_pretrained(
         "meta-llama/Llama-3.2-1B", attn_implementation=name, dtype=torch.bfloat16
     ).cuda()
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from attention import attention, attention_varlen, causal_mask, get_backend
+from .. import attention, attention_varlen, causal_mask, get_backend
 
 # transformers chooses code paths from substrings of the implementation's name: a name containing
 # "flash" makes it import the flash-attn package, "sdpa" or "flex_attention" runs those backends'
