@@ -248,7 +248,7 @@ def prepare_default_data(cfg: TrainConfig, world: World) -> None:
             os.path.exists(os.path.join(cfg.data_dir, INDEX)):
         return
     if world.is_main:
-        counts = shakespeare.prepare(shakespeare.TEXT.read_text(encoding="utf-8"), cfg.data_dir)
+        counts = shakespeare.prepare(shakespeare.read_text(shakespeare.TEXT), cfg.data_dir)
         print(f"first use: prepared tiny shakespeare ({shakespeare.summary(counts, cfg.data_dir)})")
     wait_for_all_ranks()  # the other ranks read what rank 0 wrote
 

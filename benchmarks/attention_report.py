@@ -14,7 +14,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
-from benchmarks.report import fmt, markdown_table, pyplot, write_csv
+from benchmarks.report import fmt, markdown_table, pyplot, save_png, write_csv
 
 PASS_TITLES = {"fwd": "Forward", "bwd": "Backward", "fwd+bwd": "Forward + backward"}
 SHAPE_KEYS = ("B", "nh", "T", "hs", "causal")
@@ -170,8 +170,7 @@ def plot(res: Results, pass_: str, key: str, ylabel: str, path: Path, log_y: boo
     axes[0][0].legend(fontsize="small")
     fig.suptitle(f"{PASS_TITLES[pass_]} {ylabel}, {res.settings['dtype']}, {res.env['gpu'] or 'CPU'}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(out_dir: Path) -> None:

@@ -3,10 +3,11 @@ re-run at any time and never disagrees with them:
 
     python -m benchmarks.compare_report out/compare-<id> [--reference sdpa] [--skip_steps 10]
 
-For each run folder <out_dir>/<variant>/ it reads metrics.jsonl (and run.json, which compare.py
-writes beside it) and writes comparison.json, comparison.md and loss.png to <out_dir>.
+For each run folder <out_dir>/<variant>/ it reads metrics.jsonl, or metrics.jsonl.gz as benchmarks/results/ keeps it
+(and run.json, which compare.py writes beside it), and writes comparison.json, comparison.md and loss.png to <out_dir>.
 """
 import argparse
+import gzip
 import json
 import math
 import statistics
@@ -16,14 +17,15 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
-from benchmarks.report import fmt, markdown_table, pyplot, write_json
+from benchmarks.report import fmt, markdown_table, pyplot, save_png, thin, write_json
 
 
 def read_metrics(path: Path) -> tuple[dict[int, dict], dict[int, float]]:
     """Train records and val losses of one run, by step. A step logged twice keeps its last record. A step train.py
     skipped for a non-finite loss (its train_loss null) is left out of the curves; skipped_steps counts it."""
     train, val = {}, {}
-    for line in path.read_text().splitlines():
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
@@ -67,17 +69,22 @@ def summarize_run(train: dict[int, dict], val: dict[int, float], ref_train: dict
     }
 
 
+def metrics_file(run_dir: Path) -> Path | None:
+    """A run's metrics.jsonl as train.py writes it, else the gzipped copy benchmarks/results/ keeps; None without."""
+    return next((path for path in (run_dir / "metrics.jsonl", run_dir / "metrics.jsonl.gz") if path.exists()), None)
+
+
 def find_runs(out_dir: Path) -> list[str]:
     """Run folders: those compare.py started (run.json) or that hold metrics."""
-    return sorted(d.name for d in out_dir.iterdir() if (d / "run.json").exists() or (d / "metrics.jsonl").exists())
+    return sorted(d.name for d in out_dir.iterdir() if (d / "run.json").exists() or metrics_file(d))
 
 
 def load_runs(out_dir: Path) -> dict[str, dict]:
     runs = {}
     for name in find_runs(out_dir):
-        run_json, metrics = out_dir / name / "run.json", out_dir / name / "metrics.jsonl"
+        run_json, metrics = out_dir / name / "run.json", metrics_file(out_dir / name)
         meta = json.loads(run_json.read_text()) if run_json.exists() else {}
-        train, val = read_metrics(metrics) if metrics.exists() else ({}, {})
+        train, val = read_metrics(metrics) if metrics else ({}, {})
         runs[name] = {"meta": meta, "train": train, "val": val}
     # in the order compare.py ran them (its run.json numbers them), other folders after by name
     return dict(sorted(runs.items(), key=lambda item: item[1]["meta"].get("index", math.inf)))
@@ -236,13 +243,14 @@ def plot_losses(runs: dict[str, dict], summary: dict, path: Path) -> None:
             continue  # a run that failed before logging
         step_ms = summary["backends"][name]["median_step_ms"]
         speed = f", {fmt(step_ms)} ms/step" if step_ms is not None else ""
-        curves.plot(steps, [r["train_loss"] for r in run["train"].values()], color=color, label=f"{name} train{speed}",
-                    alpha=0.8)
+        curves.plot(*thin(steps, [r["train_loss"] for r in run["train"].values()]), color=color,
+                    label=f"{name} train{speed}", alpha=0.8)
         if run["val"]:
             curves.plot(list(run["val"]), list(run["val"].values()), "o--", color=color, label=f"{name} val")
         common = [s for s in steps if s in ref_losses]
         if name != reference and common:
-            diffs.plot(common, [abs(run["train"][s]["train_loss"] - ref_losses[s]) for s in common], color=color, label=name)
+            diffs.plot(*thin(common, [abs(run["train"][s]["train_loss"] - ref_losses[s]) for s in common]), color=color,
+                       label=name)
     curves.set(xlabel="step", ylabel="loss", title="loss, all runs overlaid")
     diffs.set(xlabel="step", ylabel=f"|train loss - {reference}|", title=f"distance from {reference}")
     diffs.set_yscale("symlog", linthresh=1e-7)  # float32 runs part at 1e-7 and grow by orders of magnitude
@@ -251,8 +259,7 @@ def plot_losses(runs: dict[str, dict], summary: dict, path: Path) -> None:
         if ax.lines:
             ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(out_dir, reference: str | None = None, skip_steps: int = 10) -> dict:

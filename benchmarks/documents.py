@@ -37,7 +37,7 @@ from attention import BlockMask, attention, attention_varlen
 from attention.flash.autograd import kernel_mask_args
 from benchmarks.attention import DTYPES, comma_list, median_ms, warm_up_gpu
 from benchmarks.sparse import visible_pairs
-from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, write_json
+from benchmarks.report import default_out_dir, environment, markdown_table, pyplot, rotations, save_png, write_json
 
 GRIDS = {"gpu": {"seq_lens": [4096, 16384], "head_dims": [64, 128], "tokens": 16384, "width": 2048},
          "toy": {"seq_lens": [64, 128], "head_dims": [16], "tokens": 256, "width": 32}}
@@ -149,8 +149,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title(f"Packed documents, {results['env'].get('gpu')}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def main(argv=None):

@@ -16,8 +16,11 @@ LOG=${OUT:-out}/gpu_session.log
 SECONDS_LEFT=${SECONDS_LEFT:-560}  # a stage's time limit; a device call runs at most 600 s
 
 log() { tee -a "$LOG"; }
-pack() {  # the table's folder into $OUT/<table>.tgz (checkpoints left out)
-  [ -n "${OUT:-}" ] && tar czf "$OUT/$1.tgz" --exclude=ckpt.pt --exclude=wandb -C "$RESULTS" "$1"
+pack() {  # the table's folder into $OUT/<table>.tgz (checkpoints left out), runs' metrics gzipped as the repository
+          # keeps them (benchmarks/compare_report.py reads metrics.jsonl.gz)
+  [ -n "${OUT:-}" ] || return 0
+  find "$RESULTS/$1" -name metrics.jsonl -exec gzip -9nf {} +
+  tar czf "$OUT/$1.tgz" --exclude=ckpt.pt --exclude=wandb -C "$RESULTS" "$1"
 }
 shakespeare() {  # tiny shakespeare as GPT-2 tokens in data/shakespeare/
   [ -d data/shakespeare ] && return

@@ -1,8 +1,8 @@
 """A Hugging Face model's training step with our attention against sdpa's: what a user of transformers gets.
 
 A small random Llama (bf16, eager, grouped-query 16/4 heads of 128, 8 layers) built from its config, trained with
-attn_implementation="sdpa" and with ours (integrations/transformers.py), in one process, rounds rotating, medians;
-ours twice (an A/A pair: the run's own noise).
+attn_implementation="sdpa" and with ours (attention/integrations/transformers.py), in one process, rounds rotating,
+medians; ours twice (an A/A pair: the run's own noise).
 
     python -m benchmarks.hf_step                        # B=4 T=2048 and B=1 T=8192
     python -m benchmarks.hf_step --out_dir DIR          # also DIR/results.json and DIR/results.md
@@ -18,8 +18,8 @@ if __name__ == "__main__" and not __package__:
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from attention.integrations.transformers import register
 from benchmarks.report import write_results
-from integrations.transformers import register
 
 SHAPES = [(4, 2048), (1, 8192)]  # (batch, tokens per row)
 

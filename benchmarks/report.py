@@ -1,8 +1,9 @@
-"""What both benchmarks' reports share: the environment record, number formatting, markdown tables,
-CSV/JSON writing and a headless matplotlib."""
+"""What the benchmarks' reports share: the environment record, number formatting, markdown tables,
+CSV/JSON writing, and a headless matplotlib with small PNGs."""
 import csv
 import datetime
 import functools
+import io
 import json
 import os
 import platform
@@ -114,6 +115,31 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+PNG_DPI = 90  # the figures' resolution: legible in a README, and small in the repository that ships them
+MOST_POINTS = 500  # about one point per pixel of a panel's width: more only thicken a long curve's PNG
+
+
+def save_png(fig, path: Path) -> None:
+    """fig as a PNG of at most 256 colours, then closed. Plots have a few line colours and their antialiasing,
+    which a palette holds; full RGBA takes several times the bytes the repository ships per figure."""
+    from PIL import Image  # matplotlib's own dependency
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=PNG_DPI, bbox_inches="tight")  # a title wider than one panel stays whole
+    pyplot().close(fig)
+    Image.open(buffer).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
+def thin(xs: list, ys: list, most: int = MOST_POINTS) -> tuple[list, list]:
+    """A curve of more than `most` points as every k-th of them, its last kept: what a plot can show of a long
+    run (the tables hold every value)."""
+    k = -(-len(xs) // most)  # ceil
+    if k <= 1:
+        return list(xs), list(ys)
+    keep = list(range(0, len(xs), k)) + ([len(xs) - 1] if (len(xs) - 1) % k else [])
+    return [xs[i] for i in keep], [ys[i] for i in keep]
 
 
 def rotations(items: list, rounds: int) -> list[list]:

@@ -16,7 +16,7 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
 from benchmarks.attention_report import PASS_TITLES, Results
-from benchmarks.report import fmt, markdown_table, pyplot, write_csv
+from benchmarks.report import fmt, markdown_table, pyplot, save_png, write_csv
 
 SHAPE_COLUMNS = ["B", "nh", "T", "hs"]
 
@@ -131,8 +131,7 @@ def plot_time_vs_T(res: Results, pass_: str, path: Path) -> None:
         ax.legend(fontsize="small")
     fig.suptitle(f"{PASS_TITLES[pass_]} time, {res.settings['dtype']}, {res.env['gpu'] or 'CPU'}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def write_report(out_dir: Path) -> None:

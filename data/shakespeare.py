@@ -2,15 +2,17 @@
 tokens are for training, the rest for validation, cut where a speech starts.
 
     python -m data.shakespeare                       # the repository's copy of the text -> data/shakespeare/
-    python -m data.shakespeare --input other.txt     # another text with speeches separated by blank lines
+    python -m data.shakespeare --input other.txt     # another text with speeches separated by blank lines (or .gz)
 
-The text (1.1 MB, public domain) ships as data/assets/tinyshakespeare.txt, byte for byte char-rnn's
-https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt, so that preparing it,
-and the first `python train.py`, need no network.
+The text (1.1 MB, public domain) ships gzipped as data/assets/tinyshakespeare.txt.gz; unpacked, it is byte for byte
+char-rnn's https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt, so that
+preparing it, and the first `python train.py`, need no network.
 """
 import argparse
+import gzip
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +20,17 @@ import numpy as np
 from .shards import shard_path, write_index, write_shard
 from .tokenizer import EOT_TOKEN, get_encoding, to_uint16
 
-TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
+TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt.gz"  # shipped gzipped: a small repository
 OUT_DIR = "data/shakespeare"  # the trainer's default data_dir: train.py prepares it on first use
 TRAIN_FRACTION = 0.9
 # speeches are separated by blank lines: a speech starts where a line with text follows one or more blank lines
 SPEECH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
+
+
+def read_text(path) -> str:
+    """A UTF-8 text file, gunzipped on the way if its name ends in .gz."""
+    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
+        return f.read()
 
 
 def split_speeches(text: str) -> list[str]:
@@ -77,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     try:
-        with open(args.input, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        sys.exit(f"data.shakespeare: error: cannot read --input {args.input} ({err}); pass a UTF-8 text file")
+        text = read_text(args.input)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
+        sys.exit(f"data.shakespeare: error: cannot read --input {args.input} ({err}); pass a UTF-8 text file "
+                 "(gzipped if its name ends in .gz)")
     command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
     print(summary(prepare(text, args.out_dir, command), args.out_dir))
 

@@ -1,6 +1,7 @@
 """The benchmarks at toy sizes on CPU: the kernel sweep and its report, and the training comparison's
 analysis (on synthetic metrics) and one real comparison of train.py."""
 import csv
+import gzip
 import json
 import os
 import re
@@ -312,6 +313,52 @@ def test_comparison_leaves_skipped_steps_out_of_the_curves_and_counts_them(tmp_p
     assert b["triton"]["max_abs_train_diff"] == 0.0 and b["triton"]["last_step"] == 3
     header, rows = markdown_section((tmp_path / "comparison.md").read_text(), "Per run")
     assert dict(zip(header, next(row for row in rows if row[0] == "triton")))["skipped steps"] == "1"
+
+
+def test_a_run_with_gzipped_metrics_reports_as_the_plain_one(tmp_path):
+    write_run(tmp_path / "sdpa", [5.0, 4.0, 3.0], [100, 100, 100], val={2: 3.1})
+    write_run(tmp_path / "triton", [5.0, 4.1, 2.9], [100, 50, 50], val={2: 3.2})
+    plain = compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", skip_steps=0)
+    metrics = tmp_path / "triton" / "metrics.jsonl"
+    metrics.with_suffix(".jsonl.gz").write_bytes(gzip.compress(metrics.read_bytes()))
+    metrics.unlink()
+    (tmp_path / "triton" / "run.json").unlink()  # found by its metrics alone
+    gzipped = compare_report.summarize(compare_report.load_runs(tmp_path), "sdpa", skip_steps=0)
+    assert gzipped["backends"]["triton"] == plain["backends"]["triton"]
+    assert gzipped["backends"]["triton"]["max_abs_train_diff"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("folder", ["same_loss/fp32", "same_loss/bf16", "long_context/T4096", "long_context/T8192"])
+def test_the_committed_comparisons_come_from_their_gzipped_metrics(folder):
+    results = ROOT / "benchmarks" / "results" / folder
+    committed = json.loads((results / "comparison.json").read_text())
+    assert all((results / run / "metrics.jsonl.gz").exists() for run in committed["backends"])
+    runs = compare_report.load_runs(results)
+    assert compare_report.summarize(runs, committed["reference"], committed["skip_steps"]) == committed
+
+
+def test_thin_keeps_every_kth_point_and_the_last():
+    xs = list(range(1201))
+    ys = [x * 0.5 for x in xs]
+    thin_xs, thin_ys = report.thin(xs, ys, most=500)
+    assert len(thin_xs) <= 501 and thin_xs[0] == 0 and thin_xs[-1] == 1200 and thin_xs[1] == 3
+    assert thin_ys == [x * 0.5 for x in thin_xs]
+    assert report.thin(xs[:500], ys[:500], most=500) == (xs[:500], ys[:500])  # short curves are drawn whole
+
+
+def test_figures_are_saved_as_palette_pngs(tmp_path):
+    plt = report.pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed")
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot(range(100), [x**0.5 for x in range(100)], label="a curve")
+    ax.legend()
+    report.save_png(fig, tmp_path / "plot.png")
+    with Image.open(tmp_path / "plot.png") as image:
+        assert image.mode == "P" and image.width <= 4 * report.PNG_DPI
+    assert not plt.get_fignums()  # closed
 
 
 @pytest.mark.parametrize("text, settings", [

@@ -1,5 +1,6 @@
 """data/: tokenizer, shard writer, tiny shakespeare and FineWeb-Edu preparation, TokenLoader. No network: the GPT-2
 BPE and the tiny shakespeare text ship with the repository, and FineWeb documents are an in-memory list."""
+import gzip
 import itertools
 import json
 import os
@@ -154,8 +155,8 @@ def test_shakespeare_ten_equal_speeches_split_nine_to_one(enc, tmp_path):
 
 
 def test_shakespeare_real_text_one_document_per_speech(enc, tmp_path):
-    with open(REAL_TEXT, encoding="utf-8") as f:
-        text = f.read()
+    text = shakespeare.read_text(REAL_TEXT)
+    assert len(text) > 1_000_000  # the whole play, gunzipped
     counts, train, val = prepared_speeches(tmp_path, text)
     speeches = shakespeare.split_speeches(text)
     assert all(re.match(r"[^\n]+:\n", speech) for speech in speeches)  # each opens with its speaker
@@ -171,12 +172,27 @@ def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path, text):
         shakespeare.prepare(text, str(tmp_path))
 
 
+def test_shakespeare_reads_a_gzipped_input_as_the_text(tmp_path):
+    with gzip.open(tmp_path / "play.txt.gz", "wt", encoding="utf-8") as f:
+        f.write(PLAY)
+    (tmp_path / "play.txt").write_text(PLAY, encoding="utf-8")
+    for name in ("play.txt", "play.txt.gz"):
+        shakespeare.main(["--input", str(tmp_path / name), "--out_dir", str(tmp_path / name.replace(".", "_"))])
+    for split in ("train", "val"):
+        assert np.array_equal(np.load(tmp_path / "play_txt" / f"{split}_000000.npy"),
+                              np.load(tmp_path / "play_txt_gz" / f"{split}_000000.npy"))
+
+
 def test_shakespeare_an_unreadable_input_is_one_line(tmp_path):
     result = run_cli("-m", "data.shakespeare", "--input", str(tmp_path / "missing.txt"), "--out_dir", str(tmp_path))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [f"data.shakespeare: error: cannot read --input {tmp_path / 'missing.txt'} "
                                           f"([Errno 2] No such file or directory: '{tmp_path / 'missing.txt'}'); "
-                                          "pass a UTF-8 text file"]
+                                          "pass a UTF-8 text file (gzipped if its name ends in .gz)"]
+    (tmp_path / "plain.txt.gz").write_text(PLAY)  # named .gz, not gzipped
+    result = run_cli("-m", "data.shakespeare", "--input", str(tmp_path / "plain.txt.gz"), "--out_dir", str(tmp_path))
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith(f"data.shakespeare: error: cannot read --input {tmp_path / 'plain.txt.gz'} (")
 
 
 # --- FineWeb-Edu ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from integrations.transformers import register  # noqa: E402
+from attention.integrations.transformers import register  # noqa: E402
 
 T = 24
 PADDED_T = 11  # padded batches: rows of 2, 11 and 7 tokens (_padding_mask)

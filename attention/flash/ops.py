@@ -19,7 +19,22 @@ def define_op(schema: str, impl, fake):
     The dispatcher leaves out trailing arguments equal to their schema defaults, so impl and fake must
     give them the same defaults. -> the op, torch.ops.nanoflash.<name>."""
     name = schema.split("(", 1)[0]
+    if hasattr(torch.ops.nanoflash, name):
+        return _defined_by_another_copy(name, schema)
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"nanoflash::{name}", fake, lib=_lib)
     return getattr(torch.ops.nanoflash, name)
+
+
+def _defined_by_another_copy(name: str, schema: str):
+    """One process can hold two copies of this package: the checkout's `attention` and an installed `nanoflash`
+    (an editable install maps that name onto this same folder). Both define their ops in the one namespace
+    nanoflash::, where a second definition is an error; so the copy that comes second reuses the op the first one
+    defined, which runs the same code when the schemas agree. Schemas that differ mean two versions of the package."""
+    op = getattr(torch.ops.nanoflash, name)
+    if str(op.default._schema) != str(torch._C.parse_schema(f"nanoflash::{schema}")):
+        raise RuntimeError(f"torch.ops.nanoflash.{name} is already defined, with another signature, by another "
+                           "version of this package in this process (the checkout's `attention` beside an installed "
+                           "`nanoflash`?); import one of them only, or reinstall from this checkout: pip install .")
+    return op
