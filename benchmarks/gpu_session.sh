@@ -117,7 +117,7 @@ triton.__version__)" | log ;;
         start=$(date +%s.%N)
         TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor NANOFLASH_CACHE_DIR=$caches/nanoflash \
           timeout "$SECONDS_LEFT" python3 train.py configs/shakespeare.py --attn=$backend --max_steps=5 \
-          --warmup_steps=2 --out_dir="$caches/out" > "$RESULTS/startup/$backend-$run.log" 2>&1
+          --warmup_steps=2 --wandb=false --out_dir="$caches/out" > "$RESULTS/startup/$backend-$run.log" 2>&1
         status=$?
         seconds=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")
         [ $status = 0 ] || seconds="failed (exit $status, see $backend-$run.log)"
