@@ -22,6 +22,10 @@ pack() {  # the table's folder into $OUT/<table>.tgz (checkpoints left out), run
   find "$RESULTS/$1" -name metrics.jsonl -exec gzip -9nf {} +
   tar czf "$OUT/$1.tgz" --exclude=ckpt.pt --exclude=wandb -C "$RESULTS" "$1"
 }
+elapsed() {  # each line of stdin behind the seconds since $1 (when a start-up's time goes)
+  python3 -c "import sys, time; [print(f'{time.time() - float(sys.argv[1]):7.1f} {line}', end='', flush=True)
+                                  for line in sys.stdin]" "$1"
+}
 shakespeare() {  # tiny shakespeare as GPT-2 tokens in data/shakespeare/
   [ -d data/shakespeare ] && return
   python3 -m data.shakespeare
@@ -108,17 +112,19 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.tune 2>&1 | tail -3 | log
     [ -n "${OUT:-}" ] && mkdir -p "$OUT/tuned" && cp attention/flash/tuned/*.json "$OUT/tuned/" ;;
   startup)  # train.py to its 5th step, each backend with caches of its own: fresh (Triton's, Inductor's and our
-            # tuner's empty; our shipped choices in place), then again with them warm
+            # tuner's empty; our shipped choices in place), then again with them warm; each log line behind its second
     shakespeare 2>&1 | log
     mkdir -p "$RESULTS/startup"
+    rm -f "$RESULTS/startup/results.txt"
     for backend in sdpa triton; do
       caches=$(mktemp -d)
       for run in fresh second; do
         start=$(date +%s.%N)
         TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor NANOFLASH_CACHE_DIR=$caches/nanoflash \
           timeout "$SECONDS_LEFT" python3 train.py configs/shakespeare.py --attn=$backend --max_steps=5 \
-          --warmup_steps=2 --wandb=false --out_dir="$caches/out" > "$RESULTS/startup/$backend-$run.log" 2>&1
-        status=$?
+          --warmup_steps=2 --wandb=false --out_dir="$caches/out" 2>&1 | elapsed "$start" \
+          > "$RESULTS/startup/$backend-$run.log"
+        status=${PIPESTATUS[0]}
         seconds=$(python3 -c "print(round($(date +%s.%N) - $start, 1))")
         [ $status = 0 ] || seconds="failed (exit $status, see $backend-$run.log)"
         echo "$backend $run $seconds s" | tee -a "$RESULTS/startup/results.txt" | log
