@@ -12,7 +12,9 @@ from helpers import (ROOT, assert_bitwise_deterministic, assert_compiled_matches
 from attention import attention, attention_qkvpacked, causal_mask
 from attention.flash import dispatch
 from attention.flash import device
-from attention.flash.autograd import flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd
+from attention.inputs import unpack_qkv
+from attention.flash.autograd import (flash_attention, flash_attn_bwd, flash_attn_bwd_qkvpacked, flash_attn_fwd,
+                                      flash_attn_fwd_qkvpacked)
 
 
 # The interpreter tiles are 32x16 (forward, dQ) and 16x32 (dK/dV): T = 37 and 70 leave ragged last
@@ -203,8 +205,8 @@ def test_bfloat16_in_the_interpreter_is_refused_in_one_line():
 
 
 def test_ops_pass_opcheck():
-    # schema, fake-tensor strides vs the real op, AOT dispatch (autograd lives in
-    # FlashAttentionFunction, so the ops are checked on inputs that need no grad)
+    # schema, fake-tensor strides vs the real op, AOT dispatch, and the forward ops' registered autograd (on inputs
+    # that need grad)
     torch.manual_seed(0)
     q, k, v = qkv(Hq=4, Hkv=2, Tq=20, Tk=24, D=16)
     torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25))
@@ -212,8 +214,40 @@ def test_ops_pass_opcheck():
     do = torch.randn_like(out)
     torch.library.opcheck(flash_attn_bwd, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.25))
     qkv_packed = packed_qkv(2, 20, 2, 16)
-    out, lse = flash_attn_fwd(*(t.transpose(1, 2) for t in qkv_packed.unbind(2)), True, 0.25)
-    torch.library.opcheck(flash_attn_bwd_qkvpacked, (torch.randn_like(out), qkv_packed, out, lse, True, 0.25))
+    torch.library.opcheck(flash_attn_fwd_qkvpacked, (qkv_packed.requires_grad_(), True, 0.25))
+    out, lse = flash_attn_fwd_qkvpacked(qkv_packed.detach(), True, 0.25)
+    torch.library.opcheck(flash_attn_bwd_qkvpacked, (torch.randn_like(out), qkv_packed.detach(), out, lse, True, 0.25))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
+def test_the_ops_autograd_gives_the_functions_gradients(packed):
+    # torch.compile's way in (the ops' registered autograd) against eager's (the autograd.Functions)
+    torch.manual_seed(0)
+    qkv_packed = packed_qkv(2, 21, 2, 16).requires_grad_()
+    q, k, v = unpack_qkv(qkv_packed)
+    do = torch.randn(2, 2, 21, 16)
+    if packed:
+        through_op = flash_attn_fwd_qkvpacked(qkv_packed, True, 0.25)[0]
+    else:
+        through_op = flash_attn_fwd(q, k, v, True, 0.25)[0]
+    eager = attention_qkvpacked(qkv_packed, scale=0.25, backend="triton")
+    for a, b in zip(torch.autograd.grad(through_op, qkv_packed, do), torch.autograd.grad(eager, qkv_packed, do)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])
+def test_compiled_graphs_are_kept_by_aot_autograds_cache(packed):
+    # a compiled graph holds operator calls, no autograd.Function, which AOTAutograd's cache leaves out: a new
+    # process then finds the traced forward and backward on disk instead of tracing the model again
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+    counters.clear()
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()  # as a new process: only what is on disk remains
+            assert_compiled_matches_eager(1, 20, 2, 16, torch.float32, "cpu", tol=1e-5, packed=packed)
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["views", "packed"])

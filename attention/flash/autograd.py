@@ -1,9 +1,15 @@
 """The Triton FlashAttention kernels (dispatch.py runs them) as PyTorch operators and autograd: the "triton"
 backend of attention/registry.py.
 
-nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake (meta)
-implementations (ops.py), so torch.compile(fullgraph=True) traces straight through them without a
-graph break; FlashAttentionFunction wires the backward op to the forward for autograd.
+Two ways in, one per mode:
+- torch.compile: nanoflash::flash_attn_fwd and nanoflash::flash_attn_bwd are operators with fake (meta)
+  implementations (ops.py), and the forward's autograd is registered on the operator itself
+  (torch.library.register_autograd), so a compiled graph holds plain operator calls. torch.compile(fullgraph=True)
+  traces straight through them without a graph break, and AOTAutograd's cache keeps the traced graphs across
+  processes; it leaves out graphs that call an autograd.Function, and would trace them again in every process.
+- Eager: FlashAttentionFunction runs the launch plans directly (dispatch.py), without the dispatcher's round trips
+  through the operators: at small shapes every microsecond of host time per call shows
+  (benchmarks/launch_overhead.py).
 
     from attention.flash.autograd import flash_attention
     y = flash_attention(q, k, v, causal=True)   # q (B, Hq, Tq, D), k/v (B, Hkv, Tk, D)
@@ -13,8 +19,8 @@ same ops as optional arguments (dispatch.MaskArgs): operators take tensors and n
 calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
-take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
-three gradients into one tensor of that shape.
+take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled), whose backward
+(nanoflash::flash_attn_bwd_qkvpacked) writes the three gradients into one tensor of that shape.
 """
 import torch
 
@@ -58,11 +64,6 @@ def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
     return dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
 
-flash_attn_fwd = define_op(
-    f"flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, {MASK_SCHEMA}) -> (Tensor, Tensor)",
-    _flash_attn_fwd, _flash_attn_fwd_fake)
-
-
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
     mask, varlen = _from_op_args(*mask)
     return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
@@ -94,6 +95,65 @@ flash_attn_bwd_qkvpacked = define_op(
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
+def _flash_attn_fwd_qkvpacked(qkv, causal, scale, *mask):
+    return _flash_attn_fwd(*unpack_qkv(qkv), causal, scale, *mask)
+
+
+def _flash_attn_fwd_qkvpacked_fake(qkv, causal, scale, *mask):
+    return _flash_attn_fwd_fake(*unpack_qkv(qkv), causal, scale, *mask)
+
+
+# The places of the tensors among the ops' mask arguments (MASK_SCHEMA)
+MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9)
+
+
+def _keep(ctx, tensors: tuple, causal: bool, scale: float, mask: tuple) -> None:
+    """An op's autograd context (setup_context): the tensors the backward reads and the mask's, and the numbers."""
+    ctx.save_for_backward(*tensors, *(mask[i] for i in MASK_TENSORS))
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mask_numbers = [None if i in MASK_TENSORS else arg for i, arg in enumerate(mask)]
+    ctx.mark_non_differentiable(tensors[-1])  # lse
+    ctx.set_materialize_grads(False)
+
+
+def _kept(ctx, n: int) -> tuple[tuple, list]:
+    """-> the first n tensors _keep saved, and the ops' flat mask arguments."""
+    saved = ctx.saved_tensors
+    mask = list(ctx.mask_numbers)
+    for i, t in zip(MASK_TENSORS, saved[n:]):
+        mask[i] = t
+    return saved[:n], mask
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, causal, scale, *mask = inputs
+    _keep(ctx, (q, k, v, *output), causal, scale, mask)
+
+
+def _fwd_backward(ctx, do, _dlse):
+    (q, k, v, o, lse), mask = _kept(ctx, 5)
+    return *flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *mask), None, None, *[None] * len(mask)
+
+
+def _fwd_qkvpacked_setup(ctx, inputs, output):
+    qkv, causal, scale, *mask = inputs
+    _keep(ctx, (qkv, *output), causal, scale, mask)
+
+
+def _fwd_qkvpacked_backward(ctx, do, _dlse):
+    (qkv, o, lse), mask = _kept(ctx, 3)
+    return flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *mask), None, None, *[None] * len(mask)
+
+
+# torch.compile's way in (module docstring): the forward ops carry their autograd
+flash_attn_fwd = define_op(
+    f"flash_attn_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, {MASK_SCHEMA}) -> (Tensor, Tensor)",
+    _flash_attn_fwd, _flash_attn_fwd_fake, _fwd_backward, _fwd_setup)
+flash_attn_fwd_qkvpacked = define_op(
+    f"flash_attn_fwd_qkvpacked(Tensor qkv, bool causal, float scale, {MASK_SCHEMA}) -> (Tensor, Tensor)",
+    _flash_attn_fwd_qkvpacked, _flash_attn_fwd_qkvpacked_fake, _fwd_qkvpacked_backward, _fwd_qkvpacked_setup)
+
+
 def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs,
                      forward_key: tuple | None = None) -> torch.Tensor:
     """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
@@ -103,32 +163,15 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch
     return dqkv
 
 
-def _fwd(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-    """The forward, and ctx.plan_key for the backward's plan (dispatch.forward_key). Under torch.compile the op keeps
-    the kernel one opaque node with a fake impl. In eager mode the launch plan is called directly, without the
-    dispatcher's round trip: at small shapes every microsecond of host time per call shows
-    (benchmarks/launch_overhead.py)."""
-    if torch.compiler.is_compiling():
-        ctx.plan_key = None
-        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen))
-    ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v)
-    return dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key)
-
-
-def _bwd(ctx, do, q, k, v, o, lse, varlen=None):
-    if torch.compiler.is_compiling():  # as in _fwd
-        return flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask, varlen))
-    return dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=varlen,
-                             forward_key=ctx.plan_key)
-
-
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for the kernels; torch.compile traces through it to the ops. varlen: a
-    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14)."""
+    """Eager autograd for the kernels (torch.compile takes the operators, module docstring). varlen: a
+    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). ctx.plan_key: the forward's plan key,
+    which with dO's layout keys the backward's plan (dispatch.forward_key)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen)
+        ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v)
+        o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
@@ -138,7 +181,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(ctx, do, q, k, v, o, lse, ctx.varlen)
+        dq, dk, dv = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
+                                       forward_key=ctx.plan_key)
         return dq, dk, dv, None, None, None, None
 
 
@@ -150,7 +194,9 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs):
-        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask)
+        q, k, v = unpack_qkv(qkv)
+        ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v)
+        o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key)
         ctx.save_for_backward(qkv, o, lse)
         ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
         ctx.mark_non_differentiable(lse)
@@ -160,11 +206,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         qkv, o, lse = ctx.saved_tensors
-        if torch.compiler.is_compiling():  # as in _fwd
-            dqkv = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask))
-        else:
-            dqkv = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key)
-        return dqkv, None, None, None
+        return _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key), None, None, None
 
 
 def kernel_mask_args(mask) -> dispatch.MaskArgs:
@@ -210,10 +252,16 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
     qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
     gradient comes out of the backward as one tensor)."""
     check_triton_support(q)
-    if qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, kernel_mask_args(mask))
+    mask = kernel_mask_args(mask)
+    if torch.compiler.is_compiling():  # the operators (module docstring)
+        if qkv is not None:
+            out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask))
+        else:
+            out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask))
+    elif qkv is not None:
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask)
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kernel_mask_args(mask))
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask)
     return (out, lse) if return_lse else out
 
 
@@ -230,4 +278,6 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
             and max_seqlen_q == max_seqlen_k and is_hopper(q.device)):
         spans = sequence_spans(cu_seqlens_q, q.shape[0])
     mask = dispatch.MaskArgs(window=window, spans=spans)
+    if torch.compiler.is_compiling():  # the operators (module docstring)
+        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen))[0]
     return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]

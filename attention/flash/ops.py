@@ -2,28 +2,31 @@
 traces straight through them: each op has a fake (meta) implementation that gives its outputs' shapes
 and strides without running it.
 
-Declared with torch.library's low-level API (define, impl, register_fake) rather than
-torch.library.custom_op: custom_op wraps every call in Python layers (an autograd kernel that
-redispatches, a wrapper that turns dynamo off and on, a check that outputs alias no input) which
-these ops need none of: autograd lives in the torch.autograd.Functions around them, and they always
-return new tensors, and the layers cost host time on every call (docs/perf_notes.md, "Host time").
+Declared with torch.library's low-level API (define, impl, register_fake, register_autograd) rather than
+torch.library.custom_op: custom_op wraps every call in Python layers (a wrapper that turns dynamo off and on, a check
+that outputs alias no input) which these ops need none of: they always return new tensors, eager calls take the
+torch.autograd.Functions of flash/autograd.py instead, and the layers cost host time on every call
+(docs/perf_notes.md, "Host time").
 """
 import torch
 
 _lib = torch.library.Library("nanoflash", "FRAGMENT")
 
 
-def define_op(schema: str, impl, fake):
+def define_op(schema: str, impl, fake, backward=None, setup_context=None):
     """schema: "name(Tensor q, ...) -> (Tensor, Tensor)". impl runs the kernels on real tensors (CUDA,
     or CPU under Triton's interpreter); fake returns empty outputs shaped and strided like impl's.
     The dispatcher leaves out trailing arguments equal to their schema defaults, so impl and fake must
-    give them the same defaults. -> the op, torch.ops.nanoflash.<name>."""
+    give them the same defaults. backward, setup_context: the op's autograd (torch.library.register_autograd's),
+    for an op that torch.compile differentiates. -> the op, torch.ops.nanoflash.<name>."""
     name = schema.split("(", 1)[0]
     if hasattr(torch.ops.nanoflash, name):
         return _defined_by_another_copy(name, schema)
     _lib.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
     _lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"nanoflash::{name}", fake, lib=_lib)
+    if backward is not None:
+        torch.library.register_autograd(f"nanoflash::{name}", backward, setup_context=setup_context, lib=_lib)
     return getattr(torch.ops.nanoflash, name)
 
 
