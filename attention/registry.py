@@ -87,7 +87,7 @@ _BACKENDS: dict[str, Backend] = {
     "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True, terms=ALL_TERMS),
     "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True, terms=frozenset({"value_head_dim"})),
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
-                      varlen=_triton_varlen),
+                      varlen=_triton_varlen, terms=ALL_TERMS),
     # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
     "flex": Backend(_flex_attention, supports_masks=True, check_device=_check_flex_device,
                     terms=frozenset({"softcap", "alibi_slopes", "value_head_dim"})),

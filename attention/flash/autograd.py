@@ -12,6 +12,9 @@ Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's t
 same ops as optional arguments (dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
 calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
+FlashAttention's terms (§15: softcap, ALiBi slopes, sinks) are the ops' last arguments (dispatch.Terms); the backward
+ops return the sinks' gradient too (an empty tensor without sinks).
+
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction, whose backward (nanoflash::flash_attn_bwd_qkvpacked) writes the
 three gradients into one tensor of that shape.
@@ -19,43 +22,47 @@ three gradients into one tensor of that shape.
 import torch
 
 from . import dispatch
-from ..inputs import check_qkv, unpack_qkv
+from ..inputs import check_qkv, check_terms, unpack_qkv
 from .ops import define_op
 from ..block_mask import sequence_spans
 from .device import check_triton_support, is_hopper
 
-# The arguments every op takes after (causal, scale): MaskArgs and Varlen flattened into operator types
+# The arguments every op takes after (causal, scale): MaskArgs, Varlen and Terms flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
                "int window_left=-1, int window_right=-1, int block_size=16, Tensor? spans=None, "
-               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
+               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+               "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None")
 
 
 def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
                   window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """-> (MaskArgs, Varlen or None, Terms) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
+    return (dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen,
+            dispatch.Terms(softcap, alibi_slopes, sinks))
 
 
-def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None) -> tuple:
+def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None,
+             terms: dispatch.Terms = dispatch.NO_TERMS) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
-            mask.spans, *(varlen or (None, None, 0, 0)))
+            mask.spans, *(varlen or (None, None, 0, 0)), *terms)
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
-    mask, varlen = _from_op_args(*mask)
-    return dispatch.forward(q, k, v, causal, scale, mask, varlen)
+    mask, varlen, terms = _from_op_args(*mask)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen, terms=terms)
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
-    # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
-    if _from_op_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
-        return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    B, Hq, Tq, D = q.shape
-    return dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+    # the same allocation as the real op, so compiled graphs see the real (B, T, H, Dv) strides
+    Dv = v.shape[-1]
+    if _from_op_args(*mask)[1] is not None:  # varlen: (total_q, Hq, Dv) and (Hq, total_q)
+        return q.new_empty(*q.shape[:2], Dv), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    B, Hq, Tq, _ = q.shape
+    return dispatch.empty_bthd(B, Hq, Tq, Dv, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
 
 flash_attn_fwd = define_op(
@@ -63,83 +70,103 @@ flash_attn_fwd = define_op(
     _flash_attn_fwd, _flash_attn_fwd_fake)
 
 
+def _sink_grad_out(grads: tuple, q, sinks):
+    """The ops' fourth output: the sinks' gradient (dispatch.backward's, shaped like them), else an empty tensor."""
+    return grads[3] if sinks is not None else q.new_empty(0)
+
+
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
-    mask, varlen = _from_op_args(*mask)
-    return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
+    mask, varlen, terms = _from_op_args(*mask)
+    grads = dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen, terms=terms)
+    return *grads[:3], _sink_grad_out(grads, q, terms.sinks)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
-    if _from_op_args(*mask)[1] is not None:
-        return tuple(t.new_empty(t.shape) for t in (q, k, v))
-    return tuple(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
+    _, varlen, terms = _from_op_args(*mask)
+    dsinks = q.new_empty(0) if terms.sinks is None else terms.sinks.new_empty(terms.sinks.shape)
+    if varlen is not None:
+        return *(t.new_empty(t.shape) for t in (q, k, v)), dsinks
+    return *(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v)), dsinks
 
 
 flash_attn_bwd = define_op(
     f"flash_attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-    f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+    f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
-    return _packed_backward(do, qkv, o, lse, causal, scale, _from_op_args(*mask)[0])
+    mask, _, terms = _from_op_args(*mask)
+    dqkv, dsinks = _packed_backward(do, qkv, o, lse, causal, scale, mask, terms=terms)
+    return dqkv, qkv.new_empty(0) if dsinks is None else dsinks
 
 
 def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
-    return qkv.new_empty(qkv.shape)
+    sinks = _from_op_args(*mask)[2].sinks
+    return qkv.new_empty(qkv.shape), qkv.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
 
 
 flash_attn_bwd_qkvpacked = define_op(
     f"flash_attn_bwd_qkvpacked(Tensor do, Tensor qkv, Tensor o, Tensor lse, bool causal, float scale, "
-    f"{MASK_SCHEMA}) -> Tensor",
+    f"{MASK_SCHEMA}) -> (Tensor, Tensor)",
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
 def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs,
-                     forward_key: tuple | None = None) -> torch.Tensor:
-    """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
+                     forward_key: tuple | None = None, terms: dispatch.Terms = dispatch.NO_TERMS):
+    """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it; and the sinks'
+    gradient, None without sinks."""
     dqkv = qkv.new_empty(qkv.shape)
-    dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv),
-                      forward_key=forward_key)
-    return dqkv
+    grads = dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv),
+                              forward_key=forward_key, terms=terms)
+    return dqkv, grads[3] if terms.sinks is not None else None
 
 
-def _fwd(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
+def _fwd(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None,
+         terms: dispatch.Terms = dispatch.NO_TERMS):
     """The forward, and ctx.plan_key for the backward's plan (dispatch.forward_key). Under torch.compile the op keeps
     the kernel one opaque node with a fake impl. In eager mode the launch plan is called directly, without the
     dispatcher's round trip: at small shapes every microsecond of host time per call shows
     (benchmarks/launch_overhead.py)."""
     if torch.compiler.is_compiling():
         ctx.plan_key = None
-        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen))
-    ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v)
-    return dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key)
+        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen, terms))
+    ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
 
 
-def _bwd(ctx, do, q, k, v, o, lse, varlen=None):
+def _bwd(ctx, do, q, k, v, o, lse, varlen=None, terms: dispatch.Terms = dispatch.NO_TERMS):
+    """-> dq, dk, dv and the sinks' gradient (None without sinks)."""
     if torch.compiler.is_compiling():  # as in _fwd
-        return flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask, varlen))
-    return dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=varlen,
-                             forward_key=ctx.plan_key)
+        dq, dk, dv, dsinks = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale,
+                                            *_op_args(ctx.mask, varlen, terms))
+        return dq, dk, dv, dsinks if terms.sinks is not None else None
+    grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=varlen,
+                              forward_key=ctx.plan_key, terms=terms)
+    return *grads[:3], grads[3] if terms.sinks is not None else None
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd for the kernels; torch.compile traces through it to the ops. varlen: a
-    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14)."""
+    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). softcap, alibi_slopes, sinks: §15's
+    terms (dispatch.Terms); the sinks get a gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
+                alibi_slopes=None, sinks=None):
+        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen, dispatch.Terms(softcap, alibi_slopes, sinks))
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
+        ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
         ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(ctx, do, q, k, v, o, lse, ctx.varlen)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = _bwd(ctx, do, q, k, v, o, lse, ctx.varlen,
+                                  dispatch.Terms(ctx.softcap, alibi_slopes, sinks))
+        return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
 class PackedFlashAttentionFunction(torch.autograd.Function):
@@ -149,22 +176,26 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     gradient directly."""
 
     @staticmethod
-    def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs):
-        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask)
-        ctx.save_for_backward(qkv, o, lse)
-        ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
+    def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs, softcap: float = 0.0,
+                alibi_slopes=None, sinks=None):
+        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask, None, dispatch.Terms(softcap, alibi_slopes, sinks))
+        ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks)
+        ctx.causal, ctx.scale, ctx.mask, ctx.softcap = causal, scale, mask, softcap
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        qkv, o, lse = ctx.saved_tensors
+        qkv, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        terms = dispatch.Terms(ctx.softcap, alibi_slopes, sinks)
         if torch.compiler.is_compiling():  # as in _fwd
-            dqkv = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *_op_args(ctx.mask))
+            dqkv, dsinks = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale,
+                                                    *_op_args(ctx.mask, None, terms))
+            dsinks = dsinks if sinks is not None else None
         else:
-            dqkv = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key)
-        return dqkv, None, None, None
+            dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key, terms)
+        return dqkv, None, None, None, None, None, dsinks
 
 
 def kernel_mask_args(mask) -> dispatch.MaskArgs:
@@ -186,6 +217,10 @@ def flash_attention(
     causal: bool = True,
     scale: float | None = None,
     return_lse: bool = False,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """FlashAttention-2: softmax(q k^T * scale) v without materialising the (Tq, Tk) scores.
 
@@ -197,37 +232,51 @@ def flash_attention(
     Returns out (B, Hq, Tq, D) in q's dtype, stored (B, Tq, Hq, D) so out.transpose(1, 2) is
     contiguous; with return_lse also lse (B, Hq, Tq) float32, the natural-log log-sum-exp of
     each row's scaled scores (+inf for a row that sees no key; not differentiable).
+    softcap, alibi_slopes, sinks: FlashAttention's terms (§15, attention()'s); v may have a head dim of its own.
     """
-    check_qkv(q, k, v, scale)
+    check_qkv(q, k, v, scale, value_head_dim=True)
+    check_terms(q, q.shape[0], q.shape[1], softcap, alibi_slopes, sinks)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return triton_attention(q, k, v, causal, float(scale), return_lse)
+    return triton_attention(q, k, v, causal, float(scale), return_lse, softcap=float(softcap),
+                            alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None):
+def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None,
+                     softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """flash_attention for inputs that already passed check_qkv (the registry checks them once).
     mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule).
     qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
-    gradient comes out of the backward as one tensor)."""
+    gradient comes out of the backward as one tensor). softcap, alibi_slopes, sinks: §15's, checked."""
     check_triton_support(q)
+    if v.shape[-1] != q.shape[-1]:
+        check_triton_support(v)  # its head dim too
     if qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, kernel_mask_args(mask))
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, kernel_mask_args(mask), softcap,
+                                                      alibi_slopes, sinks)
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kernel_mask_args(mask))
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, kernel_mask_args(mask), None, softcap,
+                                                alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
 def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                            scale: float, window: tuple[int, int] | None = None) -> torch.Tensor:
+                            scale: float, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                            alibi_slopes=None, sinks=None, return_lse: bool = False):
     """attention_varlen's triton backend (§14), on inputs attention/varlen.py has checked: q (total_q, Hq, D), k, v
-    (total_k, Hkv, D), cu_seqlens int32 on their device. -> (total_q, Hq, D)."""
+    (total_k, Hkv, Dv), cu_seqlens int32 on their device. -> (total_q, Hq, Dv); with return_lse also lse (Hq, total_q).
+    softcap, alibi_slopes ((Hq,) or (n, Hq)), sinks: §15's."""
     check_triton_support(q)
+    if v.shape[-1] != q.shape[-1]:
+        check_triton_support(v)
     varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    terms = dispatch.Terms(softcap, alibi_slopes, sinks)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
-    # the warp-specialized kernels may run it, from each row's span
+    # the warp-specialized kernels may run it, from each row's span (not with §15's terms, which they lack)
     spans = None
     if (window is None and cu_seqlens_q is cu_seqlens_k and q.shape[0] == k.shape[0]
-            and max_seqlen_q == max_seqlen_k and is_hopper(q.device)):
+            and max_seqlen_q == max_seqlen_k and is_hopper(q.device) and dispatch.plain_call(terms, q, v)):
         spans = sequence_spans(cu_seqlens_q, q.shape[0])
     mask = dispatch.MaskArgs(window=window, spans=spans)
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]
+    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen, *terms)
+    return (out, lse) if return_lse else out
