@@ -355,6 +355,17 @@ def test_ops_with_terms_pass_opcheck():
     torch.library.opcheck(flash_attn_bwd, (torch.randn_like(out), q, k, v, out, lse, True, 0.25, *rest))
 
 
+def assert_compiled_like_eager(fn, inputs, tol):
+    """torch.compile(fn, fullgraph=True) gives eager's output and the gradients of every input (a graph break fails)."""
+    def run(f):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = f(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
+        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_torch_compile_fullgraph_with_terms(varlen):
     # Inductor compiles the ops around ours for the CPU; the sinks' gradient is traced torch operations
@@ -371,13 +382,7 @@ def test_torch_compile_fullgraph_with_terms(varlen):
                                     sinks=sinks)
         return attention(q, k, v, backend="triton", softcap=2.0, alibi_slopes=slopes, sinks=sinks)
 
-    def run(f):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-        out = f(*leaves)
-        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
-
-    for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
-        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert_compiled_like_eager(fn, (q, k, v, sinks), tol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -456,10 +461,4 @@ def test_gpu_torch_compile_fullgraph_with_terms():
     def fn(q, k, v, sinks):
         return attention(q, k, v, backend="triton", softcap=30.0, alibi_slopes=slopes, sinks=sinks)
 
-    def run(f):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-        out = f(*leaves)
-        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
-
-    for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
-        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    assert_compiled_like_eager(fn, (q, k, v, sinks), tol=2e-2)
