@@ -293,6 +293,18 @@ def test_triton_qkvpacked_takes_the_terms():
         torch.testing.assert_close(ours, naive, atol=tol, rtol=0)
 
 
+def test_tensor_descriptor_loads_take_the_terms(monkeypatch):
+    # §9 TMA (NANOFLASH_TMA=1): V and O as descriptors of V's own head dim
+    from attention.flash import dispatch
+
+    monkeypatch.setattr(dispatch, "TMA_MODE", "1")
+    torch.manual_seed(26)
+    q, k, _ = qkv(B=2, Hq=4, Hkv=2, Tq=45, Tk=45, D=64, dtype=torch.float16)
+    v = torch.randn(2, 2, 45, 32, dtype=torch.float16)
+    assert dispatch.use_tma(q, k, v)
+    assert_terms_match_fp64(q, k, v, True, **terms_for("all", 2, 4))
+
+
 def test_launch_plans_take_each_calls_terms(monkeypatch):
     # a second call of one layout runs the first call's plan with its own softcap value, slopes and sinks
     taken = whole_paths(monkeypatch)
