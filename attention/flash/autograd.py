@@ -41,7 +41,7 @@ def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=No
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return (dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen,
-            dispatch.Terms(softcap, alibi_slopes, sinks))
+            dispatch.terms_of(softcap, alibi_slopes, sinks))
 
 
 def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None,
@@ -154,7 +154,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
                 alibi_slopes=None, sinks=None):
-        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen, dispatch.Terms(softcap, alibi_slopes, sinks))
+        o, lse = _fwd(ctx, q, k, v, causal, scale, mask, varlen, dispatch.terms_of(softcap, alibi_slopes, sinks))
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
@@ -165,7 +165,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = _bwd(ctx, do, q, k, v, o, lse, ctx.varlen,
-                                  dispatch.Terms(ctx.softcap, alibi_slopes, sinks))
+                                  dispatch.terms_of(ctx.softcap, alibi_slopes, sinks))
         return dq, dk, dv, None, None, None, None, None, None, dsinks
 
 
@@ -178,7 +178,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs, softcap: float = 0.0,
                 alibi_slopes=None, sinks=None):
-        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask, None, dispatch.Terms(softcap, alibi_slopes, sinks))
+        o, lse = _fwd(ctx, *unpack_qkv(qkv), causal, scale, mask, None, dispatch.terms_of(softcap, alibi_slopes, sinks))
         ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks)
         ctx.causal, ctx.scale, ctx.mask, ctx.softcap = causal, scale, mask, softcap
         ctx.mark_non_differentiable(lse)
@@ -188,7 +188,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         qkv, o, lse, alibi_slopes, sinks = ctx.saved_tensors
-        terms = dispatch.Terms(ctx.softcap, alibi_slopes, sinks)
+        terms = dispatch.terms_of(ctx.softcap, alibi_slopes, sinks)
         if torch.compiler.is_compiling():  # as in _fwd
             dqkv, dsinks = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale,
                                                     *_op_args(ctx.mask, None, terms))
@@ -270,7 +270,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     if v.shape[-1] != q.shape[-1]:
         check_triton_support(v)
     varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    terms = dispatch.Terms(softcap, alibi_slopes, sinks)
+    terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
     # the warp-specialized kernels may run it, from each row's span (not with §15's terms, which they lack)
     spans = None

@@ -102,6 +102,15 @@ class Terms(NamedTuple):
 NO_TERMS = Terms()
 
 
+def terms_of(softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+             sinks: torch.Tensor | None = None) -> Terms:
+    """Terms(softcap, alibi_slopes, sinks), or NO_TERMS itself for a call without any: the plain path tells it by
+    identity (host time on every call)."""
+    if not softcap and alibi_slopes is None and sinks is None:
+        return NO_TERMS
+    return Terms(softcap, alibi_slopes, sinks)
+
+
 def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
     """No §15 term and one head dim for q, k, v: what the Hopper kernels take."""
     return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None
@@ -134,6 +143,8 @@ def _term_args(terms: Terms, forward: bool) -> tuple:
 
 def _term_values(terms: Terms, forward: bool) -> tuple:
     """The values of the terms a call uses, in Terms' order, which its plan takes anew with every call."""
+    if terms is NO_TERMS:
+        return ()
     return tuple(x for x in (terms.softcap or None, terms.alibi_slopes, terms.sinks if forward else None)
                  if x is not None)
 
@@ -219,7 +230,8 @@ def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *t
     §15: which terms are on, and their tensors' layouts (softcap's value is an argument: the plan takes it anew)."""
     if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, mask.spans)):
         return None
-    on = (bool(terms.softcap), *[None if t is None else (t.shape, t.stride(), t.dtype) for t in terms[1:]])
+    on = None if terms is NO_TERMS else (bool(terms.softcap), *[None if t is None else (t.shape, t.stride(), t.dtype)
+                                                                for t in terms[1:]])
     return (kind, causal, mask.window, mask.block_size, varlen and varlen[2:], HOPPER_MODE, TMA_MODE,
             torch.are_deterministic_algorithms_enabled(), tensors[0].device, on,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
