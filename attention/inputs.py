@@ -5,8 +5,9 @@ import torch
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> None:
-    """q: (B, Hq, Tq, D), k and v: (B, Hkv, Tk, D) with Hq a multiple of Hkv, every size at least 1."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale, value_head_dim: bool = False) -> None:
+    """q: (B, Hq, Tq, D), k and v: (B, Hkv, Tk, D) with Hq a multiple of Hkv, every size at least 1.
+    value_head_dim: v may have a head dim of its own, (B, Hkv, Tk, Dv) (the caller then checks the backend takes it)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -20,16 +21,17 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> None:
             raise ValueError(f"{name} has {dim} 0 (shape {tuple(t.shape)}); attention needs at least one of each: "
                              f"check the {dim} of the tensors you pass (n_head and n_embd for heads and head_dim, "
                              "an empty batch or sequence upstream)")
-    check_matching(q, k, v)
+    check_matching(q, k, v, value_head_dim)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has batch size {q.shape[0]} but k/v have {k.shape[0]}")
     check_scale(scale)
 
 
-def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, value_head_dim: bool = False) -> None:
     """What q, k, v must agree on in every layout with heads at dim 1 and the head dim last ((B, H, T, D) for
     attention(), (total, H, D) for attention_varlen): a supported dtype and one of them, one device, k and v one
-    shape, one head dim, and query heads a multiple of key/value heads."""
+    shape (but for v's head dim, with value_head_dim), q and k one head dim, and query heads a multiple of key/value
+    heads."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; use one of float16, bfloat16, float32, float64")
@@ -37,10 +39,14 @@ def check_matching(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them with .to()")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q has head_dim {q.shape[-1]} but k/v have {k.shape[-1]}; query and key head dims must match")
+        raise ValueError(f"q has head_dim {q.shape[-1]} but k has {k.shape[-1]}; query and key head dims must match")
+    if v.shape[-1] != k.shape[-1] and not value_head_dim:
+        raise ValueError(f"v has head_dim {v.shape[-1]} but q and k have {k.shape[-1]}; a value head dim of its own "
+                         "is taken by attention() and attention_varlen() only")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: the number of query heads must be a multiple "
@@ -64,3 +70,39 @@ def check_qkv_packed(qkv) -> None:
         shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must be (batch, seq_len, 3, heads, head_dim), got {shape}; view a fused projection's "
                          "(B, T, 3 * C) output with .view(B, T, 3, n_head, C // n_head)")
+
+
+# The terms a call may add to softmax attention (attention(), attention_varlen()), named as FlashAttention names its
+# arguments; a backend lists those it computes (registry.Backend.terms)
+TERMS = ("softcap", "alibi_slopes", "sinks", "return_lse", "value_head_dim")
+
+
+def used_terms(v_head_dim: int, head_dim: int, softcap, alibi_slopes, sinks, return_lse) -> list[str]:
+    """The TERMS a call uses, in TERMS' order."""
+    used = dict(softcap=softcap != 0, alibi_slopes=alibi_slopes is not None, sinks=sinks is not None,
+                return_lse=bool(return_lse), value_head_dim=v_head_dim != head_dim)
+    return [name for name in TERMS if used[name]]
+
+
+def check_terms(q: torch.Tensor, batch: int, heads: int, softcap, alibi_slopes, sinks,
+                batch_name: str = "batch") -> None:
+    """softcap a number >= 0 (0: off); alibi_slopes float32 (heads,) or (batch, heads); sinks a floating (heads,)
+    tensor; both on q's device. batch_name: what the batch dim is called (attention_varlen's is its sequences)."""
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and 0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be a number >= 0 (0 = off; Gemma 2 uses 50.0 for attention), got {softcap!r}")
+    for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if tuple(t.shape) not in shapes:
+            wanted = " or ".join(f"({heads},)" if len(s) == 1 else f"({batch}, {heads}) ({batch_name}, heads)"
+                                 for s in shapes)
+            raise ValueError(f"{name} must have shape {wanted}, one value per query head, got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
+    if alibi_slopes is not None and alibi_slopes.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"alibi_slopes must be float32 (as FlashAttention takes them), got {alibi_slopes.dtype}; "
+                        "cast them with .float()")
+    if sinks is not None and not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating tensor (one learned logit per query head), got {sinks.dtype}")

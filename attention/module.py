@@ -19,8 +19,10 @@ class Attention(nn.Module):
         self.options = backend_options(backend, **options)
         self.backend, self.causal, self.scale = backend, causal, scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, **self.options)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **terms) -> torch.Tensor:
+        """terms: attention()'s softcap, alibi_slopes, sinks, return_lse for this call (a model's sinks are its own
+        parameters)."""
+        return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, **self.options, **terms)
 
     def extra_repr(self) -> str:
         options = "".join(f", {name}={value}" for name, value in self.options.items())

@@ -10,7 +10,7 @@ import torch
 
 from .block_mask import BlockMask, kept_per_tensor
 from .reference.compiled import compiled_attention
-from .inputs import check_qkv, check_qkv_packed, unpack_qkv
+from .inputs import TERMS, check_qkv, check_qkv_packed, check_terms, unpack_qkv, used_terms
 from .masks import check_document_ids, check_window
 from .moba.reference import check_moba_options, moba_backend, moba_keys_per_query
 from .reference.naive import naive_attention
@@ -31,29 +31,32 @@ class Backend:
     check_options: Callable | None = None  # **options -> None, or a ValueError naming a bad value
     check_device: Callable | None = None  # device -> None, or a ValueError naming the backends that run there
     # attention_varlen (varlen.py) in one call: fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-    # causal, scale, window); None: an exact backend runs it sequence by sequence
+    # causal, scale, window, **terms); None: an exact backend runs it sequence by sequence
     varlen: Callable | None = None
+    # the inputs.TERMS it computes: a call that uses one passes it to fn by name (softcap=, alibi_slopes=, sinks=,
+    # return_lse=True, then fn returns (out, lse)); "value_head_dim": v's head dim may differ from q's and k's
+    terms: frozenset = frozenset()
 
 
-def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None):
+def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, qkv=None, **terms):
     # Imported on first use: Triton decides at import time whether its kernels run compiled on the GPU or in the
     # CPU interpreter (TRITON_INTERPRET=1), so the user gets to set that first.
     from .flash.autograd import triton_attention
 
-    return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv)
+    return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv, **terms)
 
 
-def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window):
+def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, **terms):
     from .flash.autograd import triton_varlen_attention  # on first use, as _triton_attention's import
 
     return triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                   window)
+                                   window, **terms)
 
 
-def _flex_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
+def _flex_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, **terms):
     from .reference.flex import flex_attention_backend  # on first use, as _triton_attention's import
 
-    return flex_attention_backend(q, k, v, causal, scale, mask=mask)
+    return flex_attention_backend(q, k, v, causal, scale, mask=mask, **terms)
 
 
 def _check_flex_device(device: torch.device) -> None:
@@ -71,21 +74,23 @@ def _check_triton_device(device: torch.device) -> None:
 def _with_dense_mask(fn: Callable) -> Callable:
     """A reference backend on a sparse call: it applies the BlockMask's element-level mask, (Tq, Tk)
     booleans per batch row/head, so it costs O(T^2) memory like the scores themselves."""
-    def masked(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None):
+    def masked(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, **terms):
         if mask is None:
-            return fn(q, k, v, causal=causal, scale=scale)
-        return fn(q, k, v, causal=False, scale=scale, visible=mask.dense(q.shape[0], q.shape[1], q.device))
+            return fn(q, k, v, causal=causal, scale=scale, **terms)
+        return fn(q, k, v, causal=False, scale=scale, visible=mask.dense(q.shape[0], q.shape[1], q.device), **terms)
     return masked
 
 
+ALL_TERMS = frozenset(TERMS)
 _BACKENDS: dict[str, Backend] = {
-    "naive": Backend(_with_dense_mask(naive_attention), supports_masks=True),
-    "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True),
-    "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True),
+    "naive": Backend(_with_dense_mask(naive_attention), supports_masks=True, terms=ALL_TERMS),
+    "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True, terms=ALL_TERMS),
+    "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True, terms=frozenset({"value_head_dim"})),
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
-                      varlen=_triton_varlen),
+                      varlen=_triton_varlen, terms=ALL_TERMS),
     # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
-    "flex": Backend(_flex_attention, supports_masks=True, check_device=_check_flex_device),
+    "flex": Backend(_flex_attention, supports_masks=True, check_device=_check_flex_device,
+                    terms=frozenset({"softcap", "alibi_slopes", "value_head_dim"})),
     # MoBA (moba.py, §11): causal attention to the blocks each query selects; another function than the others
     "moba": Backend(moba_backend, options={"moba_block": 512, "moba_topk": 3}, exact=False, kv_cache=False,
                     keys_per_query=moba_keys_per_query, check_options=check_moba_options,
@@ -99,7 +104,7 @@ def register_backend(name: str, fn: Callable, supports_masks: bool = False, **ab
     """Add a backend: fn(q, k, v, causal, scale) -> (B, Hq, Tq, D). With supports_masks it is also called as
     fn(q, k, v, causal, scale, mask=block_mask) for window / document / block-mask calls (mask: an
     attention.BlockMask that already holds the causal rule). abilities: Backend's other fields (packed, options,
-    exact, kv_cache, keys_per_query, check_options, check_device, varlen)."""
+    exact, kv_cache, keys_per_query, check_options, check_device, varlen, terms)."""
     if name in _BACKENDS:
         raise ValueError(f"attention backend {name!r} is already registered")
     _BACKENDS[name] = Backend(fn, supports_masks, **abilities)
@@ -147,13 +152,18 @@ def attention(
     window: tuple[int, int] | None = None,
     document_ids: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
     **options,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention softmax(q k^T * scale) v.
 
-    q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D) with Hq a multiple of Hkv (grouped-query attention).
+    q: (B, Hq, Tq, D); k, v: (B, Hkv, Tk, D) with Hq a multiple of Hkv (grouped-query attention); v may have a
+        head dim of its own, (B, Hkv, Tk, Dv), and the output then has it.
     causal: query i sees keys up to i + Tk - Tq (bottom-right aligned; see masks.py).
-    scale: defaults to 1/sqrt(D). Returns (B, Hq, Tq, D) in the dtype of q.
+    scale: defaults to 1/sqrt(D). Returns (B, Hq, Tq, Dv) in the dtype of q.
     Sparse attention (every rule given ANDs with the others; a query that sees no key returns 0):
     window: (left, right) in tokens, -1 = unbounded, e.g. (1024, 0) with causal for a sliding window.
     document_ids: (B, Tk) integer document id per position (packed sequences): no attention across
@@ -161,8 +171,16 @@ def attention(
     block_mask: an attention.BlockMask (from a mask function or a block layout), built once and
         reused across layers and calls.
     options: the backend's own (backend_options), e.g. backend="moba", moba_block=512, moba_topk=3.
+    FlashAttention's terms (docs/flash_attention.md §15; naive, compile and triton compute them all):
+    softcap: scores s = scale * q.k become softcap * tanh(s / softcap) (Gemma 2); 0 = off.
+    alibi_slopes: float32 (Hq,) or (B, Hq): -slope * |i + Tk - Tq - j| is added to the scores (ALiBi).
+    sinks: (Hq,) a learned logit per query head that joins each row's softmax denominator and weights no value
+        (gpt-oss); it gets a gradient.
+    return_lse: -> (out, lse), lse (B, Hq, Tq) float32 the natural log-sum-exp of each row's scores, the sink's
+        included; +inf for a row that sees no key (and has no sink). Not differentiable.
     """
-    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options)
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options,
+                      terms=dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse))
 
 
 def attention_qkvpacked(
@@ -174,22 +192,46 @@ def attention_qkvpacked(
     window: tuple[int, int] | None = None,
     document_ids: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
     **options,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention() on q, k, v packed in one (B, T, 3, nh, hs) tensor: a fused qkv projection's (B, T, 3C)
     output viewed as .view(B, T, 3, nh, C // nh), the layout FlashAttention's qkvpacked functions take.
     Returns (B, nh, T, hs) like attention(). A backend that takes the packed tensor (triton) then returns the
     gradient of qkv as one tensor from its backward; given q, k, v as three views, autograd concatenates three
-    gradients into it, a copy of qkv's size per call (the other backends still do that)."""
+    gradients into it, a copy of qkv's size per call (the other backends still do that). softcap, alibi_slopes,
+    sinks, return_lse: as attention()'s."""
     check_qkv_packed(qkv)
     q, k, v = unpack_qkv(qkv)
-    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv)
+    return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv,
+                      dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse))
 
 
-def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv=None):
-    """attention(); qkv: the packed tensor q, k, v are views of, passed on to a backend that takes it."""
+def backend_terms(backend: str, q, v, batch: int, softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False,
+                  batch_name: str = "batch") -> dict:
+    """The terms a call uses (inputs.TERMS), checked, as the keyword arguments the backend's function takes ({} for
+    none), or a one-line error: a bad value, or a term the backend does not compute (naming those that do)."""
+    if softcap == 0.0 and alibi_slopes is None and sinks is None and not return_lse and v.shape[-1] == q.shape[-1]:
+        return {}  # the common call, on every layer of a model: nothing to check (host time)
+    check_terms(q, batch, q.shape[1], softcap, alibi_slopes, sinks, batch_name)
+    used = used_terms(v.shape[-1], q.shape[-1], softcap, alibi_slopes, sinks, return_lse)
+    missing = [name for name in used if name not in get_backend(backend).terms]
+    if missing:
+        able = [name for name, other in sorted(_BACKENDS.items()) if set(used) <= other.terms]
+        raise ValueError(f"backend {backend!r} does not compute {', '.join(missing)}; use one of: {', '.join(able)}")
+    given = dict(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+    return {name: given[name] for name in used if name != "value_head_dim"}
+
+
+def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv=None, terms=None):
+    """attention(); qkv: the packed tensor q, k, v are views of, passed on to a backend that takes it. terms: the
+    call's softcap, alibi_slopes, sinks, return_lse (backend_terms)."""
     spec = get_backend(backend)
-    check_qkv(q, k, v, scale)
+    check_qkv(q, k, v, scale, value_head_dim=True)
+    terms = backend_terms(backend, q, v, q.shape[0], **(terms or {}))
     extras = backend_options(backend, **options) if options or spec.options else {}
     if qkv is not None and spec.packed:
         extras["qkv"] = qkv
@@ -201,13 +243,13 @@ def _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask
             # is all True. Dropping it lets KV-cache decoding take each backend's unmasked fast path
             # (sdpa would otherwise build a mask tensor per layer per token and fall back to a masked kernel).
             causal = False
-        return spec.fn(q, k, v, causal=causal, scale=float(scale), **extras)
+        return spec.fn(q, k, v, causal=causal, scale=float(scale), **extras, **terms)
     if not spec.supports_masks:
         masked = [name for name, other in sorted(_BACKENDS.items()) if other.supports_masks]
         raise ValueError(f"backend {backend!r} does not support window / document_ids / block_mask; "
                          f"use one of: {', '.join(masked)}")
     mask = _sparse_mask(q, k, causal, window, document_ids, block_mask)
-    return spec.fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask, **extras)
+    return spec.fn(q, k, v, causal=mask.causal, scale=float(scale), mask=mask, **extras, **terms)
 
 
 def _sparse_mask(q, k, causal, window, document_ids, block_mask) -> BlockMask:

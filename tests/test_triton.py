@@ -178,7 +178,7 @@ def _bad(D=32, dtype=torch.float32, **changes):
         (_bad(D=320), ValueError, "the triton attention kernels support head_dim 16..256, got 320"),
         (_bad(dtype=torch.float64), TypeError,
          "the triton attention kernels support float16, bfloat16 and float32, got torch.float64"),
-        (_bad(k=qkv(D=16)[1], v=qkv(D=16)[2]), ValueError, "head_dim 32 but k/v have 16"),
+        (_bad(k=qkv(D=16)[1], v=qkv(D=16)[2]), ValueError, "head_dim 32 but k has 16"),
         (_bad(v=qkv(dtype=torch.float16)[2]), TypeError, "must share one dtype"),
         (_bad(q=qkv(Hq=3)[0]), ValueError, "multiple of the number of key/value heads"),
         (_bad(k=qkv()[1].to("meta")), ValueError, "must be on one device"),

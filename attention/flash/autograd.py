@@ -18,6 +18,9 @@ Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's t
 same ops as optional arguments (dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
 calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
+FlashAttention's terms (§15: softcap, ALiBi slopes, sinks) are the ops' last arguments (dispatch.Terms); the backward
+ops return the sinks' gradient too (an empty tensor without sinks).
+
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled), whose backward
 (nanoflash::flash_attn_bwd_qkvpacked) writes the three gradients into one tensor of that shape.
@@ -25,73 +28,88 @@ take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled)
 import torch
 
 from . import dispatch
-from ..inputs import check_qkv, unpack_qkv
+from ..inputs import check_qkv, check_terms, unpack_qkv
 from .ops import define_op
 from ..block_mask import sequence_spans
 from .device import check_triton_support, is_hopper
 
-# The arguments every op takes after (causal, scale): MaskArgs and Varlen flattened into operator types
+# The arguments every op takes after (causal, scale): MaskArgs, Varlen and Terms flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
                "int window_left=-1, int window_right=-1, int block_size=16, Tensor? spans=None, "
-               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0")
+               "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+               "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None")
 
 
 def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
                   window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0):
-    """-> (MaskArgs, Varlen or None) from the ops' flat arguments."""
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """-> (MaskArgs, Varlen or None, Terms) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen
+    return (dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen,
+            dispatch.terms_of(softcap, alibi_slopes, sinks))
 
 
-def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None) -> tuple:
+def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None,
+             terms: dispatch.Terms = dispatch.NO_TERMS) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
-            mask.spans, *(varlen or (None, None, 0, 0)))
+            mask.spans, *(varlen or (None, None, 0, 0)), *terms)
 
 
 def _flash_attn_fwd(q, k, v, causal, scale, *mask):
-    mask, varlen = _from_op_args(*mask)
-    return dispatch.forward(q, k, v, causal, scale, mask, varlen)
+    mask, varlen, terms = _from_op_args(*mask)
+    return dispatch.forward(q, k, v, causal, scale, mask, varlen, terms=terms)
 
 
 def _flash_attn_fwd_fake(q, k, v, causal, scale, *mask):
-    # the same allocation as the real op, so compiled graphs see the real (B, T, H, D) strides
-    if _from_op_args(*mask)[1] is not None:  # varlen: (total_q, Hq, D) and (Hq, total_q)
-        return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    B, Hq, Tq, D = q.shape
-    return dispatch.empty_bthd(B, Hq, Tq, D, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+    # the same allocation as the real op, so compiled graphs see the real (B, T, H, Dv) strides
+    Dv = v.shape[-1]
+    if _from_op_args(*mask)[1] is not None:  # varlen: (total_q, Hq, Dv) and (Hq, total_q)
+        return q.new_empty(*q.shape[:2], Dv), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    B, Hq, Tq, _ = q.shape
+    return dispatch.empty_bthd(B, Hq, Tq, Dv, q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
+
+
+def _sink_grad_out(grads: tuple, q, sinks):
+    """The ops' fourth output: the sinks' gradient (dispatch.backward's, shaped like them), else an empty tensor."""
+    return grads[3] if sinks is not None else q.new_empty(0)
 
 
 def _flash_attn_bwd(do, q, k, v, o, lse, causal, scale, *mask):
-    mask, varlen = _from_op_args(*mask)
-    return dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen)
+    mask, varlen, terms = _from_op_args(*mask)
+    grads = dispatch.backward(do, q, k, v, o, lse, causal, scale, mask, varlen=varlen, terms=terms)
+    return *grads[:3], _sink_grad_out(grads, q, terms.sinks)
 
 
 def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, scale, *mask):
-    if _from_op_args(*mask)[1] is not None:
-        return tuple(t.new_empty(t.shape) for t in (q, k, v))
-    return tuple(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v))
+    _, varlen, terms = _from_op_args(*mask)
+    dsinks = q.new_empty(0) if terms.sinks is None else terms.sinks.new_empty(terms.sinks.shape)
+    if varlen is not None:
+        return *(t.new_empty(t.shape) for t in (q, k, v)), dsinks
+    return *(dispatch.empty_bthd(*t.shape, t) for t in (q, k, v)), dsinks
 
 
 flash_attn_bwd = define_op(
     f"flash_attn_bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float scale, "
-    f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+    f"{MASK_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)",
     _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 def _flash_attn_bwd_qkvpacked(do, qkv, o, lse, causal, scale, *mask):
-    return _packed_backward(do, qkv, o, lse, causal, scale, _from_op_args(*mask)[0])
+    mask, _, terms = _from_op_args(*mask)
+    dqkv, dsinks = _packed_backward(do, qkv, o, lse, causal, scale, mask, terms=terms)
+    return dqkv, qkv.new_empty(0) if dsinks is None else dsinks
 
 
 def _flash_attn_bwd_qkvpacked_fake(do, qkv, o, lse, causal, scale, *mask):
-    return qkv.new_empty(qkv.shape)
+    sinks = _from_op_args(*mask)[2].sinks
+    return qkv.new_empty(qkv.shape), qkv.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
 
 
 flash_attn_bwd_qkvpacked = define_op(
     f"flash_attn_bwd_qkvpacked(Tensor do, Tensor qkv, Tensor o, Tensor lse, bool causal, float scale, "
-    f"{MASK_SCHEMA}) -> Tensor",
+    f"{MASK_SCHEMA}) -> (Tensor, Tensor)",
     _flash_attn_bwd_qkvpacked, _flash_attn_bwd_qkvpacked_fake)
 
 
@@ -103,8 +121,9 @@ def _flash_attn_fwd_qkvpacked_fake(qkv, causal, scale, *mask):
     return _flash_attn_fwd_fake(*unpack_qkv(qkv), causal, scale, *mask)
 
 
-# The places of the tensors among the ops' mask arguments (MASK_SCHEMA)
-MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9)
+# The places of the tensors among the ops' mask arguments (MASK_SCHEMA), and of the sinks, the one that takes a gradient
+MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9, 13, 14)
+SINKS = 14
 
 
 def _keep(ctx, tensors: tuple, causal: bool, scale: float, mask: tuple) -> None:
@@ -125,6 +144,14 @@ def _kept(ctx, n: int) -> tuple[tuple, list]:
     return saved[:n], mask
 
 
+def _mask_grads(mask: list, dsinks) -> list:
+    """The gradients of the ops' mask arguments: none but the sinks' (§15), where there are sinks."""
+    grads = [None] * len(mask)
+    if mask[SINKS] is not None:
+        grads[SINKS] = dsinks
+    return grads
+
+
 def _fwd_setup(ctx, inputs, output):
     q, k, v, causal, scale, *mask = inputs
     _keep(ctx, (q, k, v, *output), causal, scale, mask)
@@ -132,7 +159,8 @@ def _fwd_setup(ctx, inputs, output):
 
 def _fwd_backward(ctx, do, _dlse):
     (q, k, v, o, lse), mask = _kept(ctx, 5)
-    return *flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *mask), None, None, *[None] * len(mask)
+    dq, dk, dv, dsinks = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, *mask)
+    return dq, dk, dv, None, None, *_mask_grads(mask, dsinks)
 
 
 def _fwd_qkvpacked_setup(ctx, inputs, output):
@@ -142,7 +170,8 @@ def _fwd_qkvpacked_setup(ctx, inputs, output):
 
 def _fwd_qkvpacked_backward(ctx, do, _dlse):
     (qkv, o, lse), mask = _kept(ctx, 3)
-    return flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *mask), None, None, *[None] * len(mask)
+    dqkv, dsinks = flash_attn_bwd_qkvpacked(do, qkv, o, lse, ctx.causal, ctx.scale, *mask)
+    return dqkv, None, None, *_mask_grads(mask, dsinks)
 
 
 # torch.compile's way in (module docstring): the forward ops carry their autograd
@@ -155,35 +184,39 @@ flash_attn_fwd_qkvpacked = define_op(
 
 
 def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs,
-                     forward_key: tuple | None = None) -> torch.Tensor:
-    """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it."""
+                     forward_key: tuple | None = None, terms: dispatch.Terms = dispatch.NO_TERMS):
+    """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it; and the sinks'
+    gradient, None without sinks."""
     dqkv = qkv.new_empty(qkv.shape)
-    dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv),
-                      forward_key=forward_key)
-    return dqkv
+    grads = dispatch.backward(do, *unpack_qkv(qkv), o, lse, causal, scale, mask, grads=unpack_qkv(dqkv),
+                              forward_key=forward_key, terms=terms)
+    return dqkv, grads[3] if terms.sinks is not None else None
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd for the kernels (torch.compile takes the operators, module docstring). varlen: a
-    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). ctx.plan_key: the forward's plan key,
-    which with dO's layout keys the backward's plan (dispatch.forward_key)."""
+    dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). softcap, alibi_slopes, sinks: §15's
+    terms (dispatch.Terms); the sinks get a gradient. ctx.plan_key: the forward's plan key, which with dO's layout
+    keys the backward's plan (dispatch.forward_key)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None):
-        ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v)
-        o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.mask, ctx.varlen = causal, scale, mask, varlen
+    def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
+                alibi_slopes=None, sinks=None):
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+        ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
+        o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
+        ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
         ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
-                                       forward_key=ctx.plan_key)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
+                                  forward_key=ctx.plan_key, terms=dispatch.terms_of(ctx.softcap, alibi_slopes, sinks))
+        return *grads[:3], None, None, None, None, None, None, grads[3] if sinks is not None else None
 
 
 class PackedFlashAttentionFunction(torch.autograd.Function):
@@ -193,20 +226,24 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     gradient directly."""
 
     @staticmethod
-    def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs):
+    def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs, softcap: float = 0.0,
+                alibi_slopes=None, sinks=None):
         q, k, v = unpack_qkv(qkv)
-        ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v)
-        o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key)
-        ctx.save_for_backward(qkv, o, lse)
-        ctx.causal, ctx.scale, ctx.mask = causal, scale, mask
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+        ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v, terms)
+        o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
+        ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks)
+        ctx.causal, ctx.scale, ctx.mask, ctx.softcap = causal, scale, mask, softcap
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        qkv, o, lse = ctx.saved_tensors
-        return _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key), None, None, None
+        qkv, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key,
+                                        dispatch.terms_of(ctx.softcap, alibi_slopes, sinks))
+        return dqkv, None, None, None, None, None, dsinks
 
 
 def kernel_mask_args(mask) -> dispatch.MaskArgs:
@@ -228,6 +265,10 @@ def flash_attention(
     causal: bool = True,
     scale: float | None = None,
     return_lse: bool = False,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """FlashAttention-2: softmax(q k^T * scale) v without materialising the (Tq, Tk) scores.
 
@@ -239,45 +280,59 @@ def flash_attention(
     Returns out (B, Hq, Tq, D) in q's dtype, stored (B, Tq, Hq, D) so out.transpose(1, 2) is
     contiguous; with return_lse also lse (B, Hq, Tq) float32, the natural-log log-sum-exp of
     each row's scaled scores (+inf for a row that sees no key; not differentiable).
+    softcap, alibi_slopes, sinks: FlashAttention's terms (§15, attention()'s); v may have a head dim of its own.
     """
-    check_qkv(q, k, v, scale)
+    check_qkv(q, k, v, scale, value_head_dim=True)
+    check_terms(q, q.shape[0], q.shape[1], softcap, alibi_slopes, sinks)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return triton_attention(q, k, v, causal, float(scale), return_lse)
+    return triton_attention(q, k, v, causal, float(scale), return_lse, softcap=float(softcap),
+                            alibi_slopes=alibi_slopes, sinks=sinks)
 
 
-def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None):
+def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None,
+                     softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """flash_attention for inputs that already passed check_qkv (the registry checks them once).
     mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule).
     qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
-    gradient comes out of the backward as one tensor)."""
+    gradient comes out of the backward as one tensor). softcap, alibi_slopes, sinks: §15's, checked."""
     check_triton_support(q)
+    if v.shape[-1] != q.shape[-1]:
+        check_triton_support(v)  # its head dim too
     mask = kernel_mask_args(mask)
     if torch.compiler.is_compiling():  # the operators (module docstring)
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
         if qkv is not None:
-            out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask))
+            out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask, None, terms))
         else:
-            out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask))
+            out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, None, terms))
     elif qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask)
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask, softcap, alibi_slopes, sinks)
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask)
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, None, softcap, alibi_slopes, sinks)
     return (out, lse) if return_lse else out
 
 
 def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                            scale: float, window: tuple[int, int] | None = None) -> torch.Tensor:
+                            scale: float, window: tuple[int, int] | None = None, softcap: float = 0.0,
+                            alibi_slopes=None, sinks=None, return_lse: bool = False):
     """attention_varlen's triton backend (§14), on inputs attention/varlen.py has checked: q (total_q, Hq, D), k, v
-    (total_k, Hkv, D), cu_seqlens int32 on their device. -> (total_q, Hq, D)."""
+    (total_k, Hkv, Dv), cu_seqlens int32 on their device. -> (total_q, Hq, Dv); with return_lse also lse (Hq, total_q).
+    softcap, alibi_slopes ((Hq,) or (n, Hq)), sinks: §15's."""
     check_triton_support(q)
+    if v.shape[-1] != q.shape[-1]:
+        check_triton_support(v)
     varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
-    # the warp-specialized kernels may run it, from each row's span
+    # the warp-specialized kernels may run it, from each row's span (not with §15's terms, which they lack)
     spans = None
     if (window is None and cu_seqlens_q is cu_seqlens_k and q.shape[0] == k.shape[0]
-            and max_seqlen_q == max_seqlen_k and is_hopper(q.device)):
+            and max_seqlen_q == max_seqlen_k and is_hopper(q.device) and dispatch.plain_call(terms, q, v)):
         spans = sequence_spans(cu_seqlens_q, q.shape[0])
     mask = dispatch.MaskArgs(window=window, spans=spans)
     if torch.compiler.is_compiling():  # the operators (module docstring)
-        return flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen))[0]
-    return FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen)[0]
+        out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, varlen, terms))
+    else:
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, varlen, *terms)
+    return (out, lse) if return_lse else out

@@ -3,11 +3,13 @@
     o, lse = forward(q, k, v, causal, scale)            # mask: MaskArgs of a block-sparse call (§10), DENSE by default
     dq, dk, dv = backward(do, q, k, v, o, lse, causal, scale)
     o, lse = forward(q, k, v, causal, scale, mask, varlen)   # varlen (§14): q (total_q, Hq, D), k, v (total_k, Hkv, D)
+    o, lse = forward(q, k, v, causal, scale, terms=Terms(softcap, alibi_slopes, sinks))   # §15; v may be (..., Dv)
 
 Which kernels run: on Hopper the tuner (tuner.py, §9) times the `tl` forward (tl_forward.py) against the
 warp-specialized one (hopper/gluon_forward.py, §12), and the two `tl` backward kernels (tl_backward.py) against the
 warp-specialized backward (hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels
-run.
+run. A call with one of FlashAttention's terms (softcap, ALiBi, sinks; §15) or a value head dim of its own runs the
+`tl` kernels everywhere: the Hopper kernels do not compute them yet (plain_call).
 NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
 NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
 
@@ -89,6 +91,71 @@ class MaskArgs(NamedTuple):
 DENSE = MaskArgs()
 
 
+class Terms(NamedTuple):
+    """§15: FlashAttention's terms a call adds to softmax attention, all off by default. The kernels compile each one
+    in only where a call uses it (a constexpr switch), so a call without them runs the kernels as they were."""
+    softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
+    alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq) float32: -slope * |i + Tk - Tq - j| added to scores
+    sinks: torch.Tensor | None = None  # (Hq,) a logit per head in every row's softmax denominator (forward only)
+
+
+NO_TERMS = Terms()
+
+
+def terms_of(softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+             sinks: torch.Tensor | None = None) -> Terms:
+    """Terms(softcap, alibi_slopes, sinks), or NO_TERMS itself for a call without any: the plain path tells it by
+    identity (host time on every call)."""
+    if not softcap and alibi_slopes is None and sinks is None:
+        return NO_TERMS
+    return Terms(softcap, alibi_slopes, sinks)
+
+
+def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """No §15 term and one head dim for q, k, v: what the Hopper kernels take."""
+    return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None
+            and v.shape[-1] == q.shape[-1])
+
+
+def _term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
+    """The §15 switches of a call's kernel ("fwd", "dq", "dkdv"), only those it turns on: a call without them has the
+    constants (and so the tuning keys, and the choices shipped for them, §9) it had before they existed."""
+    constants = {}
+    if terms.softcap:
+        constants["SOFTCAP"] = True
+    if terms.alibi_slopes is not None:
+        constants["ALIBI"] = True
+    if terms.sinks is not None and kernel != "dkdv":  # the forward's sink; the dQ kernel's rows for its gradient
+        constants["SINKS"] = True
+    if v.shape[-1] != q.shape[-1]:
+        constants.update(HEAD_DV=v.shape[-1], BLOCK_DV=triton.next_power_of_2(v.shape[-1]))
+    return constants
+
+
+def _term_args(terms: Terms, forward: bool) -> tuple:
+    """The kernels' softcap, SLOPES, stride_slopes_b, stride_slopes_h (and the forward's SINK_LOGITS, stride_sinks):
+    None where a term is off, which Triton compiles as a constant."""
+    slopes, sinks = terms.alibi_slopes, terms.sinks
+    slope_strides = (None, None) if slopes is None else (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
+    args = (terms.softcap or None, slopes, *slope_strides)
+    return args + (sinks, None if sinks is None else sinks.stride(0)) if forward else args
+
+
+def _term_values(terms: Terms, forward: bool) -> tuple:
+    """The values of the terms a call uses, in Terms' order, which its plan takes anew with every call."""
+    if terms is NO_TERMS:
+        return ()
+    return tuple(x for x in (terms.softcap or None, terms.alibi_slopes, terms.sinks if forward else None)
+                 if x is not None)
+
+
+def _with_values(terms: Terms, values: tuple, forward: bool) -> Terms:
+    """terms with the values of another call of its plan (_term_values(terms, forward)'s)."""
+    given = iter(values)
+    used = (bool(terms.softcap), terms.alibi_slopes is not None, terms.sinks is not None and forward)
+    return Terms(*(next(given) if on else off for on, off in zip(used, NO_TERMS)))
+
+
 class Varlen(NamedTuple):
     """§14: a varlen call's sequences, packed end to end along the rows: sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v."""
@@ -156,13 +223,19 @@ def forget_plans() -> None:
     _plans.clear()
 
 
-def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *tensors: torch.Tensor) -> tuple | None:
+def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *tensors: torch.Tensor,
+              terms: Terms = NO_TERMS) -> tuple | None:
     """-> the call's plan key; None for a block-sparse call (§10), whose mask tensors change from call to call.
-    A varlen call's cu_seqlens are among its tensors (its plan takes them anew), its longest lengths in the key."""
+    A varlen call's cu_seqlens are among its tensors (its plan takes them anew), its longest lengths in the key.
+    §15: which terms are on, and their tensors' layouts and alignment (softcap's value is an argument: the plan takes
+    it anew)."""
     if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, mask.spans)):
         return None
+    on = None if terms is NO_TERMS else (bool(terms.softcap), *[None if t is None else
+                                                                (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+                                                                for t in terms[1:]])
     return (kind, causal, mask.window, mask.block_size, varlen and varlen[2:], HOPPER_MODE, TMA_MODE,
-            torch.are_deterministic_algorithms_enabled(), tensors[0].device,
+            torch.are_deterministic_algorithms_enabled(), tensors[0].device, on,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
 
@@ -191,46 +264,51 @@ def _planned(key: tuple | None, whole_path: Callable, *call) -> None:
         remember(_plans, key, again)
 
 
-def forward_key(causal: bool, mask: MaskArgs, varlen: Varlen | None, q, k, v) -> tuple | None:
+def forward_key(causal: bool, mask: MaskArgs, varlen: Varlen | None, q, k, v, terms: Terms = NO_TERMS) -> tuple | None:
     """The forward's plan key (_plan_key), which the autograd Function keeps for its backward: the backward's own key
     is then this one and dO's layout, as everything else it reads or allocates follows from the forward's."""
-    return _plan_key("fwd", causal, mask, varlen, q, k, v, *_cu_seqlens(varlen))
+    return _plan_key("fwd", causal, mask, varlen, q, k, v, *_cu_seqlens(varlen), terms=terms)
 
 
 def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE, varlen: Varlen | None = None,
-            key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> out (B, Hq, Tq, D) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
-    that see no key). varlen (§14): out (total_q, Hq, D), lse (Hq, total_q). key: forward_key's, if the caller has
-    it."""
+            key: tuple | None = None, terms: Terms = NO_TERMS) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> out (B, Hq, Tq, Dv) in q's dtype, lse (B, Hq, Tq) float32 (natural log; +inf for rows
+    that see no key). varlen (§14): out (total_q, Hq, Dv), lse (Hq, total_q). key: forward_key's, if the caller has
+    it. terms: §15's; lse then holds the sink's term."""
+    Dv = v.shape[-1]
     if varlen is None:
-        B, Hq, Tq, D = q.shape
-        o = empty_bthd(B, Hq, Tq, D, q)
+        B, Hq, Tq, _ = q.shape
+        o = empty_bthd(B, Hq, Tq, Dv, q)
         lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     else:
-        o = q.new_empty(q.shape)
+        o = q.new_empty(*q.shape[:2], Dv)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     seqs = _cu_seqlens(varlen)
-    key = key or forward_key(causal, mask, varlen, q, k, v)
-    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen), q, k, v, o, lse, scale, *seqs)
+    key = key or forward_key(causal, mask, varlen, q, k, v, terms)
+    _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen, terms), q, k, v, o, lse, scale,
+             *_term_values(terms, True), *seqs)
     return o, lse
 
 
-def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen | None) -> tuple:
+def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen | None, terms: Terms) -> tuple:
     """attn_fwd's arguments, up to the constexprs."""
     Hq, Hkv, Tq, Tk = q.shape[1], k.shape[1], _rows(q, varlen), _rows(k, varlen)
     return (q, k, v, o, lse, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
-            Hq, Hq // Hkv, Tq, Tk, scale, *_block_list_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen))
+            Hq, Hq // Hkv, Tq, Tk, scale, *_block_list_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen),
+            *_term_args(terms, True))
 
 
-def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None) -> Callable:
-    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale, *cu_seqlens)."""
+def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None,
+                  terms: Terms) -> Callable:
+    """The forward's whole path: launch it; -> its plan, again(q, k, v, o, lse, scale, *term values, *cu_seqlens)."""
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, D = q.shape[1], q.shape[-1]
     hopper = None
-    # §12 the warp-specialized kernel: dense calls, and §14 documents (varlen ones as one batch entry)
+    # §12 the warp-specialized kernel: dense calls, and §14 documents (varlen ones as one batch entry); §15 not with
+    # the terms or a value head dim of its own, which only the `tl` kernels compute
     documents = _hopper_documents(mask, varlen)
     call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
-    if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
+    if ((varlen is None or documents is not None) and HOPPER_MODE != "0" and plain_call(terms, q, v)
             and hopper_forward.forward_supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
         tiles = FORWARD_TILES[D] if documents is None else document_tiles(D)
         if HOPPER_MODE == "1":
@@ -240,51 +318,72 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = varlen is None and use_tma(q, k, v, o)
-    args = _forward_args(q, k, v, o, lse, scale, mask, varlen)
+    args = _forward_args(q, k, v, o, lse, scale, mask, varlen, terms)
+    constants = {**_constants(q, causal, mask, varlen), **_term_constants(terms, q, v, "fwd")}
     choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
-                                    _constants(q, causal, mask, varlen), Tq, Tk, q.dtype, _tiles_divide(mask),
+                                    constants, Tq, Tk, q.dtype, _tiles_divide(mask),
                                     loads=("tma", "pointers") if tma else ("pointers",), hopper=hopper)
     if choice[1] == "hopper":
         return launched.again  # calls with documents keep no plan (_plan_key), so only dense ones repeat it
-    plan = None if tma else planned(launched.again, args, (q, k, v, o, lse, scale, *_cu_seqlens(varlen)))
+    values = _term_values(terms, True)
+    plan = None if tma else planned(launched.again, args, (q, k, v, o, lse, scale, *values, *_cu_seqlens(varlen)))
     if plan is not None:
         return plan
 
-    def again(q, k, v, o, lse, scale, *seqs):  # descriptor loads (their scratch allocator), or inputs that alias
+    def again(q, k, v, o, lse, scale, *rest):  # descriptor loads (their scratch allocator), or inputs that alias
         if tma:
             use_scratch_allocator()
-        launched.again(*_forward_args(q, k, v, o, lse, scale, mask, varlen and Varlen(*seqs, *varlen[2:])))
+        seqs = rest[len(values):]
+        launched.again(*_forward_args(q, k, v, o, lse, scale, mask, varlen and Varlen(*seqs, *varlen[2:]),
+                                      _with_values(terms, rest[:len(values)], True)))
     return again
 
 
 def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = DENSE,
              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, varlen: Varlen | None = None,
-             forward_key: tuple | None = None):
+             forward_key: tuple | None = None, terms: Terms = NO_TERMS):
     """-> dq, dk, dv, shaped like q, k, v. grads: tensors to write them into (any strides; the slices of
     one packed gradient, see flash/autograd.py), by default new ones. forward_key: the key of the forward that made
-    o and lse (the autograd Function's), which with dO's layout keys the backward's plan."""
+    o and lse (the autograd Function's), which with dO's layout keys the backward's plan. terms: the forward's (§15);
+    with sinks -> dq, dk, dv, dsinks."""
     if grads is not None:
         dq, dk, dv = grads
     elif varlen is None:
         B, Hq, Tq, D = q.shape
         Hkv, Tk = k.shape[1], k.shape[2]
-        dq, dk, dv = empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, D, v)
+        dq, dk, dv = empty_bthd(B, Hq, Tq, D, q), empty_bthd(B, Hkv, Tk, D, k), empty_bthd(B, Hkv, Tk, v.shape[-1], v)
     else:
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     seqs = _cu_seqlens(varlen)
+    # §15 with sinks the dQ kernel writes each row's sum of P * dP here, for their gradient (sink_grad)
+    sink_rows = None if terms.sinks is None else torch.empty_like(lse)
+    values = _term_values(terms, False) + (() if sink_rows is None else (sink_rows,))
     if forward_key is not None:
         key = ("bwd", forward_key, grads is not None, torch.are_deterministic_algorithms_enabled(), do.shape,
                do.stride(), do.dtype, do.data_ptr() % 16 == 0)
     else:
-        key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs)
-    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
-             do, q, k, v, o, lse, dq, dk, dv, scale, *seqs)
-    return dq, dk, dv
+        key = _plan_key("bwd", causal, mask, varlen, do, q, k, v, o, lse, dq, dk, dv, *seqs, terms=terms)
+    _planned(key, lambda: _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen, terms,
+                                         sink_rows),
+             do, q, k, v, o, lse, dq, dk, dv, scale, *values, *seqs)
+    if sink_rows is None:
+        return dq, dk, dv
+    return dq, dk, dv, sink_grad(terms.sinks, lse, sink_rows, varlen is not None)
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """§15 the sinks' gradient, d sink_h = -sum over head h's rows of P_sink * Delta: P_sink = exp(sink_h - lse) is
+    the sink's probability in the row, Delta = sum_j P_j dP_j (§5) as the dQ kernel summed it (exact products, fp32
+    sums: rowsum(dO * O) would carry O's rounding to the inputs' dtype into a sum over every row of the head).
+    lse, delta (B, Hq, Tq); varlen: (Hq, total_q)."""
+    p_sink = torch.exp(sinks.float()[:, None] - lse)  # (Hq, 1) against (B, Hq, Tq), or (Hq, total_q)
+    return (-(p_sink * delta).sum((1,) if varlen else (0, 2))).to(sinks.dtype)
 
 
 def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
-                   varlen: Varlen | None) -> Callable:
-    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *cu_seqlens)."""
+                   varlen: Varlen | None, terms: Terms, sink_rows: torch.Tensor | None = None) -> Callable:
+    """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values,
+    *sink rows, *cu_seqlens). sink_rows: where the dQ kernel writes the sinks' rows (§15), with sinks."""
     _, Tq, Tk = _sizes(q, k, varlen)
     D = q.shape[-1]
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
@@ -293,7 +392,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     documents = _hopper_documents(mask, varlen)
     call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
-    if ((varlen is None or documents is not None) and HOPPER_MODE != "0"
+    if ((varlen is None or documents is not None) and HOPPER_MODE != "0" and plain_call(terms, q, v)
             and not torch.are_deterministic_algorithms_enabled()
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
@@ -306,45 +405,56 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
         if HOPPER_MODE == "1":
             tile = tiles[0]
         else:
-            tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen),
+            tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen,
+                                                        terms),
                                    hopper, tiles, D, causal, documents is not None, q.dtype, Tq, Tk,
                                    (do, q, k, v, o, lse, dq, dk, dv, scale, *_cu_seqlens(varlen)))
         if tile is not None:
             return hopper(tile).again
-    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen)
+    return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen, terms, sink_rows)
 
 
 def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
-                 varlen: Varlen | None) -> Callable:
-    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta), then the dK/dV kernel.
-    -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *cu_seqlens)."""
+                 varlen: Varlen | None, terms: Terms = NO_TERMS, sink_rows: torch.Tensor | None = None) -> Callable:
+    """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta, and with sinks their rows into
+    sink_rows, §15), then the dK/dV kernel. -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values,
+    *sink rows, *cu_seqlens)."""
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, Hkv = q.shape[1], k.shape[1]
+    n_values = len(_term_values(terms, False))
+    n_rows = int(terms.sinks is not None)  # the sinks' rows (backward)
 
-    def args(do, q, k, v, o, lse, dq, dk, dv, delta, scale, *seqs):
+    def args(do, q, k, v, o, lse, dq, dk, dv, delta, scale, *rest):
         """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
-        call = varlen and Varlen(*seqs, *varlen[2:])
+        call = varlen and Varlen(*rest[n_values + n_rows:], *varlen[2:])
+        term_args = _term_args(_with_values(terms, rest[:n_values], False), False)
+        sink_rows = rest[n_values] if n_rows else None
         rows_q, rows_k = _rows(q, varlen), _rows(k, varlen)
         seq_args = (Hq, Hq // Hkv, rows_q, rows_k, scale)
         strides = [_strides(t, varlen) for t in (q, k, v, o, do, dq, dk, dv)]
         sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
         return ((q, k, v, o, do, dq, lse, delta, *sq, *sk, *sv, *so, *sdo, *sdq, *seq_args,
-                 *_block_list_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call)),
+                 *_block_list_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call), *term_args,
+                 sink_rows),
                 (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
-                 *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call)))
-    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *_cu_seqlens(varlen))
+                 *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call), *term_args))
+    # Delta (shaped as lse) after the gradients: the plan allocates it anew with every call
+    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *_term_values(terms, False),
+            *([sink_rows] if n_rows else []), *_cu_seqlens(varlen))
     dq_args, dkdv_args = args(*call)
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _, dq_launched = tuned_launch("dq", attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-                                  dq_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+                                  dq_args, {**constants, **_term_constants(terms, q, v, "dq")}, Tq, Tk, q.dtype,
+                                  _tiles_divide(mask))
     _, dkdv_launched = tuned_launch("dkdv", attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
-                                    dkdv_args, constants, Tq, Tk, q.dtype, _tiles_divide(mask))
+                                    dkdv_args, {**constants, **_term_constants(terms, q, v, "dkdv")}, Tq, Tk, q.dtype,
+                                    _tiles_divide(mask))
     # a later call of the plan key fills its tensors' places in these arguments (launch.planned)
     dq_plan, dkdv_plan = planned(dq_launched.again, dq_args, call), planned(dkdv_launched.again, dkdv_args, call)
 
     def again(*call):
-        call = (*call[:9], torch.empty_like(call[5]), *call[9:])  # Delta, shaped as lse
+        call = (*call[:9], torch.empty_like(call[5]), *call[9:])
         if dq_plan is None or dkdv_plan is None:  # inputs that alias: each call's arguments anew
             dq_args, dkdv_args = args(*call)
             dq_launched.again(*dq_args)

@@ -10,9 +10,9 @@ bit-identical from run to run. dq_tile and dkdv_tile serve MoBA's kernels too (m
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LOG2E, head_base, key_ranges, listed_row, listed_tile, listed_tile_id, load_document_ids,
-                       load_rows, query_ranges, query_tile_start, row_stats, rows_from, rule_visible, sequence_bounds,
-                       store_rows, tile_visible)
+from .tl_tiles import (LOG2E, head_base, head_slope, key_ranges, listed_row, listed_tile, listed_tile_id,
+                       load_document_ids, load_rows, query_ranges, query_tile_start, row_stats, rows_from, rule_visible,
+                       score_terms, sequence_bounds, store_rows, tile_visible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -21,22 +21,36 @@ from .tl_tiles import (LOG2E, head_base, key_ranges, listed_row, listed_tile, li
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq,
-               qk_scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               qk_scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, k_col=None, shift=None,
+               softcap=None, slope2=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None,
+               HEAD_DV: tl.constexpr = 0):
     """Add the query tile q_pos (M,) of one head into a key tile's dK, dV. Computed transposed (keys
     as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
-    (N, M) mask, or None for a tile that needs none."""
+    (N, M) mask, or None for a tile that needs none. §15: k_col (N, 1) the keys' positions, shift = Tk - Tq,
+    softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: dO's and V's columns where V's
+    head dim is its own (None: cols and HEAD_DIM)."""
     q = load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
-    do = load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
+    if cols_v is None:
+        do = load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
+    else:
+        do = load_rows(DO, q_pos, Tq, stride_dot, cols_v, stride_dod, HEAD_DV, visibleT is not None)  # (M, Dv)
     # rows past Tq load lse = +inf, which makes their P (and so dS) exactly 0
     lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,), base 2
     delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
     # §4: recompute P^T = exp2(s - lse) instead of having stored the (Tq, Tk) matrix
-    pT = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])  # (N, M)
+    kq = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (N, M)
+    if SOFTCAP or ALIBI:  # §15 the scores as the forward made them
+        sT, tT = score_terms(kq, (q_pos + shift)[None, :], k_col, qk_scale, softcap, slope2, SOFTCAP, ALIBI)
+        pT = tl.exp2(sT - lse2[None, :])
+    else:
+        pT = tl.exp2(kq * qk_scale - lse2[None, :])
     if visibleT is not None:
         pT = tl.where(visibleT, pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
     dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
+    if SOFTCAP:  # §15 through softcap * tanh(s / softcap): times 1 - tanh^2
+        dsT = dsT * (1.0 - tT * tT)
     dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # dK += dS^T Q  (N, D)
     return dk, dv
 
@@ -52,10 +66,15 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    H, GROUP, Tq, Tk, scale,
                    BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
                    window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
+                   softcap, SLOPES, stride_slopes_b, stride_slopes_h,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
                    MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False,
+                   ALIBI: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+    # §15 as in attn_fwd: the terms' arguments None where a switch is off; V, dO and dV have V_DIM columns
+    V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
+    BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     H_kv = H // GROUP
@@ -78,13 +97,17 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
     k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
     k_doc = load_document_ids(DOC_IDS, k_pos[:, None], 0, Tk, -2, DOCS)  # (N, 1)
     cols = tl.arange(0, BLOCK_D)  # (D,)
+    cols_v = tl.arange(0, BLOCK_V)  # (Dv,)
     k = load_rows(head_base(K, b, h_kv, stride_kb, stride_kh), k_pos, Tk, stride_kt, cols, stride_kd,
                    HEAD_DIM, True)  # (N, D), on chip throughout
-    v = load_rows(head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, Tk, stride_vt, cols, stride_vd,
-                   HEAD_DIM, True)  # (N, D)
+    v = load_rows(head_base(V, b, h_kv, stride_vb, stride_vh), k_pos, Tk, stride_vt, cols_v, stride_vd,
+                   V_DIM, True)  # (N, Dv)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     qk_scale = scale * LOG2E
+    k_col = None
+    if ALIBI:
+        k_col = k_pos[:, None]  # (N, 1), §15
 
     # §7 GQA gradient sum: every query head that reads this kv head adds into the same registers,
     # one head after the other, so no two programs write the same dK/dV rows (no atomics)
@@ -94,6 +117,7 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         DOh = head_base(DO, b, h, stride_dob, stride_doh)
         LSEh = row_stats(LSE, b, h, H, stat_rows, q_start, VARLEN)
         DELTAh = row_stats(DELTA, b, h, H, stat_rows, q_start, VARLEN)
+        slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_n, n_blocks,
@@ -102,7 +126,7 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION)
+                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
             for i in range(n_full, n_listed):
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
@@ -111,7 +135,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 visibleT = tile_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, q_doc, k_doc,
                                     TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
         else:
             # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one (and those a
             # window's left edge cuts, §14) masked
@@ -122,36 +147,53 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION)
+                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
             for start_m in range(full_end, end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
 
     DK = head_base(DK, b, h_kv, stride_dkb, stride_dkh)
     DV = head_base(DV, b, h_kv, stride_dvb, stride_dvh)
     store_rows(DK, dk * scale, k_pos, Tk, stride_dkt, cols, stride_dkd, HEAD_DIM)  # dS was w.r.t. scale * QK^T
-    store_rows(DV, dv, k_pos, Tk, stride_dvt, cols, stride_dvd, HEAD_DIM)
+    store_rows(DV, dv, k_pos, Tk, stride_dvt, cols_v, stride_dvd, V_DIM)
 
 
 @triton.jit
 def dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
-             visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Add the key tile k_pos (N,) into one query tile's dQ; visible as in fwd_tile."""
+             visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, q_abs=None, softcap=None, slope2=None,
+             SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0,
+             pdp=None, SINKS: tl.constexpr = False):
+    """Add the key tile k_pos (N,) into one query tile's dQ; visible, and §15's q_abs ... HEAD_DV, as in fwd_tile.
+    pdp: each row's running sum of P * dP, which this tile adds to with SINKS (§15). -> dq, pdp."""
     k = load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
-    v = load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
-    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])  # (M, N)
+    if cols_v is None:
+        v = load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    else:
+        v = load_rows(V, k_pos, Tk, stride_vt, cols_v, stride_vd, HEAD_DV, visible is not None)  # (N, Dv)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N)
+    if SOFTCAP or ALIBI:  # §15 the scores as the forward made them
+        s2, t = score_terms(qk, q_abs, k_pos[None, :], qk_scale, softcap, slope2, SOFTCAP, ALIBI)
+        p = tl.exp2(s2 - lse2[:, None])
+    else:
+        p = tl.exp2(qk * qk_scale - lse2[:, None])  # (M, N)
     if visible is not None:
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
+    if SINKS:  # §15 Delta as sum_j P dP, in fp32 from exact products (the sinks' gradient)
+        pdp += tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])  # §5 (M, N)
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # dQ += dS K  (M, D)
+    if SOFTCAP:  # §15 softcap's chain rule, as in dkdv_tile
+        ds = ds * (1.0 - t * t)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION), pdp  # dQ += dS K  (M, D)
 
 
 @triton.jit
@@ -165,16 +207,24 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  H, GROUP, Tq, Tk, scale,
                  BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
                  window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
+                 softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
                  MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+                 SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+    # §15 as in attn_fwd: the terms' arguments None where a switch is off; V, O and dO have V_DIM columns. With SINKS
+    # the program also writes each row's sum of P * dP to SINK_ROWS (laid out as LSE), for the sinks' gradient
+    V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
+    BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
     start_m = query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     q_start, k_start, seq_q, seq_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
     LSE = row_stats(LSE, b, h, H, Tq, q_start, VARLEN)
     DELTA = row_stats(DELTA, b, h, H, Tq, q_start, VARLEN)
+    if SINKS:
+        SINK_ROWS = row_stats(SINK_ROWS, b, h, H, Tq, q_start, VARLEN)
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_m >= Tq:  # §14 as in the forward
@@ -192,28 +242,35 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
 
     q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
+    cols_v = tl.arange(0, BLOCK_V)  # (Dv,)
     q = load_rows(head_base(Q, b, h, stride_qb, stride_qh), q_pos, Tq, stride_qt, cols, stride_qd,
                    HEAD_DIM, True)  # (M, D), on chip throughout, like dO, lse and Delta
-    do = load_rows(head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols, stride_dod,
-                    HEAD_DIM, True)  # (M, D)
+    do = load_rows(head_base(DO, b, h, stride_dob, stride_doh), q_pos, Tq, stride_dot, cols_v, stride_dod,
+                    V_DIM, True)  # (M, Dv)
     lse2 = tl.load(LSE + q_pos, mask=q_pos < Tq, other=float("inf")) * LOG2E  # (M,)
     # §5 Delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i: one D-long dot product per row. This kernel
     # holds the rows' dO anyway, so it computes Delta here and stores it for the dK/dV kernel,
     # which runs next (a separate pre-pass would cost a launch and a second read of dO).
-    o = load_rows(head_base(O, b, h, stride_ob, stride_oh), q_pos, Tq, stride_ot, cols, stride_od,
-                   HEAD_DIM, True)  # (M, D)
+    o = load_rows(head_base(O, b, h, stride_ob, stride_oh), q_pos, Tq, stride_ot, cols_v, stride_od,
+                   V_DIM, True)  # (M, Dv)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (M,)
     tl.store(DELTA + q_pos, delta, mask=q_pos < Tq)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
+    slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
+    q_abs = None
+    if ALIBI:
+        q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1)
+    pdp = tl.zeros([BLOCK_M], tl.float32)  # (M,) §15 each row's sum of P * dP, summed with SINKS only
 
     if SPARSE:  # §10, the same key blocks as the forward pass visited
         row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,
                                             MASK_BLOCK, BLOCK_N)
         for i in range(n_full):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
-            dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
-                          stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+            dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                               stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
+                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -222,8 +279,9 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             k_doc = load_document_ids(DOC_IDS, k_pos[None, :], 0, Tk, -2, DOCS)  # (1, N)
             visible = tile_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
-            dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+            dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
+                               cols_v, V_DIM, pdp, SINKS)
     else:
         lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOW)  # §6, as in the forward
@@ -232,15 +290,20 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                 k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
                 visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL,
                                         WINDOW)
-                dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                              Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+                dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
+                                   cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2,
+                                   SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
         for start_n in range(full_lo, full_end, BLOCK_N):
-            dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
-                          stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION)
+            dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                               stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
+                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
-            dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                          Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+            dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
+                               cols_v, V_DIM, pdp, SINKS)
+    if SINKS:
+        tl.store(SINK_ROWS + q_pos, pdp, mask=q_pos < Tq)
     DQ = head_base(DQ, b, h, stride_dqb, stride_dqh)
     store_rows(DQ, dq * scale, q_pos, Tq, stride_dqt, cols, stride_dqd, HEAD_DIM)

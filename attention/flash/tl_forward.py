@@ -10,32 +10,44 @@ too (moba/tl_kernels.py, §11).
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LN2, LOG2E, head_rows, key_ranges, listed_row, listed_tile, listed_tile_id, load_document_ids,
-                       load_tile, query_tile_start, row_stats, rows_from, rule_visible, sequence_bounds, store_tile,
-                       tile_visible)
+from .tl_tiles import (LN2, LOG2E, head_rows, head_slope, key_ranges, listed_row, listed_tile, listed_tile_id,
+                       load_document_ids, load_tile, query_tile_start, row_stats, rows_from, rule_visible, score_terms,
+                       sequence_bounds, store_tile, tile_visible)
 
 
 @triton.jit
 def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
-              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, q_abs=None, softcap=None, slope2=None,
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0):
     """Fold the key tile k_pos = start_n, start_n + 1, ... (N,) into one query tile's running max m_i,
     running sum l_i and unnormalised output acc. visible: the (M, N) mask of a tile that needs one;
-    None for a tile every row sees whole (then no mask is built and no load is bounds-checked)."""
+    None for a tile every row sees whole (then no mask is built and no load is bounds-checked).
+    §15: q_abs (M, 1), softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: V's columns
+    where its head dim is its own (None: cols and HEAD_DIM)."""
     k = load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
-    v = load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    if cols_v is None:
+        v = load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
+    else:
+        v = load_tile(V, start_n, k_pos, Tk, stride_vt, cols_v, stride_vd, HEAD_DV, visible is not None)  # (N, Dv)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (M, N), fp32 sums
+    if SOFTCAP or ALIBI:
+        # §15 the terms make the scores base-2 ones themselves (score_terms), and masked entries stay -inf after them
+        qk, _ = score_terms(qk, q_abs, k_pos[None, :], qk_scale, softcap, slope2, SOFTCAP, ALIBI)
+        unit = 1.0
+    else:
+        unit = qk_scale
     if visible is not None:
         qk = tl.where(visible, qk, float("-inf"))
     # §2 online softmax: move the running max, rescale what was summed under the old one.
     # §8 exp2: scores in base 2, s = q.k * scale * log2(e); the max commutes with that positive
     # factor, so scaling the row max and then qk * qk_scale - m is one fused multiply-add
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (M,)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * unit)  # (M,)
     m_ref = m_new
     if visible is not None:
         # §8 fully-masked rows: a row that has seen no key keeps m = -inf; subtracting 0
         # instead keeps exp2(-inf - -inf) = NaN out of p and alpha (both become 0)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk * qk_scale - m_ref[:, None])  # (M, N)
+    p = tl.exp2(qk * unit - m_ref[:, None])  # (M, N)
     alpha = tl.exp2(m_i - m_ref)  # (M,)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
@@ -51,10 +63,16 @@ def attn_fwd(Q, K, V, O, LSE,
               H, GROUP, Tq, Tk, scale,
               BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
               window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
+              softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
               MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
+              SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+    # §15 the terms (softcap, SLOPES, SINK_LOGITS and their strides are None where a switch is off) and V's own head
+    # dim (HEAD_DV, BLOCK_DV; 0 where it is HEAD_DIM): V, O and the accumulator have V_DIM columns
+    V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
+    BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
     start_m = query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -71,18 +89,29 @@ def attn_fwd(Q, K, V, O, LSE,
     # §7 GQA: query head h reads kv head h // GROUP, GROUP = Hq // Hkv
     Q = head_rows(Q, b, h, stride_qb, stride_qh, stride_qt, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
     K = head_rows(K, b, h // GROUP, stride_kb, stride_kh, stride_kt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    V = head_rows(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, Tk, HEAD_DIM, BLOCK_D, BLOCK_N, TMA)
-    O = head_rows(O, b, h, stride_ob, stride_oh, stride_ot, Tq, HEAD_DIM, BLOCK_D, BLOCK_M, TMA)
+    V = head_rows(V, b, h // GROUP, stride_vb, stride_vh, stride_vt, Tk, V_DIM, BLOCK_V, BLOCK_N, TMA)
+    O = head_rows(O, b, h, stride_ob, stride_oh, stride_ot, Tq, V_DIM, BLOCK_V, BLOCK_M, TMA)
     if DOCS:
         DOC_IDS += b.to(tl.int64) * stride_doc_b  # this batch row's document ids
 
     q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
     cols = tl.arange(0, BLOCK_D)  # (D,)
+    cols_v = tl.arange(0, BLOCK_V)  # (Dv,): cols, unless V's head dim is its own
     q = load_tile(Q, start_m, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, True)  # (M, D), on chip throughout
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     qk_scale = scale * LOG2E
+    if SINKS:
+        # §15 the sink: a key of score `sink` whose value is 0, folded in before the first tile as §2's state after
+        # it: m = sink (base 2), l = exp2(sink - m) = 1, acc = 0 (a sink of -inf is no sink: l = 0)
+        sink2 = tl.load(SINK_LOGITS + h * stride_sinks).to(tl.float32) * LOG2E
+        m_i = tl.zeros([BLOCK_M], tl.float32) + sink2
+        l_i = tl.zeros([BLOCK_M], tl.float32) + (sink2 > float("-inf")).to(tl.float32)
+    slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
+    q_abs = None
+    if ALIBI:
+        q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1) the rows' positions among the keys (§6)
 
     if SPARSE:
         # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones
@@ -93,7 +122,7 @@ def attn_fwd(Q, K, V, O, LSE,
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION)
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -103,7 +132,8 @@ def attn_fwd(Q, K, V, O, LSE,
             visible = tile_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
-                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
+                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
     else:
         # §6: the tiles a window's left edge cuts, masked; the fully visible ones, unmasked; then the few at the
         # diagonal and the ends, masked
@@ -115,21 +145,24 @@ def attn_fwd(Q, K, V, O, LSE,
                 visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL,
                                         WINDOW)
                 acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
-                                          stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+                                          stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
+                                          softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
         for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION)
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
-                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION)
+                                      stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
+                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
 
     # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
-    # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0
+    # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0.
+    # §15 with a sink, l >= 1 and lse holds the sink's term: such a row's lse is the sink
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))
-    store_tile(O, acc / l_safe[:, None], start_m, q_pos, Tq, stride_ot, cols, stride_od, HEAD_DIM)
+    store_tile(O, acc / l_safe[:, None], start_m, q_pos, Tq, stride_ot, cols_v, stride_od, V_DIM)
     tl.store(LSE + q_pos, lse, mask=q_pos < Tq)

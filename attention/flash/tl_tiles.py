@@ -247,6 +247,40 @@ def listed_tile_id(row, i, n_blocks, BITS: tl.constexpr, MASK_BLOCK: tl.constexp
 
 
 # ---------------------------------------------------------------------------------------------
+# FlashAttention's terms (§15): softcap, ALiBi, sinks; each a compile-time switch, so a call without it carries no code
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def score_terms(qk, q_abs, k_pos, qk_scale, softcap, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """§15: one tile's scores with softcap and ALiBi, in base 2 (§8): -> (s2, t), s2 = LOG2E * (softcap * t + bias)
+    with t = tanh(scale * qk / softcap) (s2 = qk * qk_scale + LOG2E * bias without softcap, and t then qk itself,
+    unused), bias = -slope * |q_abs - k_pos|. qk: the raw q.k products; q_abs, k_pos: the rows' positions among the
+    keys (i + Tk - Tq) and the keys', shaped to broadcast over qk ((M, 1) and (1, N), or transposed); slope2 = slope *
+    LOG2E. The backward keeps t for softcap's derivative, 1 - t^2. Entries a mask hides come out finite: the caller
+    masks them."""
+    t = qk  # a tensor either way: Triton returns no None inside a tuple
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1), exp(2x) = exp2(2x LOG2E) with x = qk * scale / softcap: exact at both ends
+        # (exp2 overflows to inf, t = 1; underflows to 0, t = -1), so no score becomes NaN
+        t = 1.0 - 2.0 / (tl.exp2(qk * (2.0 * qk_scale / softcap)) + 1.0)
+        s2 = t * (softcap * LOG2E)
+    else:
+        s2 = qk * qk_scale
+    if ALIBI:
+        s2 = s2 - slope2 * tl.abs(q_abs - k_pos).to(tl.float32)
+    return s2, t
+
+
+@triton.jit
+def head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI: tl.constexpr):
+    """§15: this (batch row, head)'s ALiBi slope times LOG2E (stride_slopes_b 0 for slopes shared by the batch);
+    None without ALIBI."""
+    slope2 = None
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b * stride_slopes_b + h * stride_slopes_h).to(tl.float32) * LOG2E
+    return slope2
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward (§2 online softmax, §3 tiling, §4 log-sum-exp)
 # ---------------------------------------------------------------------------------------------
 @triton.jit

@@ -142,7 +142,9 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
         return choice, run(choice)
     # in the caller's order of loads (descriptors first: with tuning off they are the ones taken, where the tensors
     # allow them); the Hopper kernel's tiles last, so tuning off never takes them
-    candidates = [(tile, variant) for tile in candidate_tiles(kernel, constants["BLOCK_D"], dtype.itemsize, block)
+    # the wider of q's and v's head dims (§15: v's may be its own) sizes the tiles
+    block_d = max(constants["BLOCK_D"], constants.get("BLOCK_DV", 0))
+    candidates = [(tile, variant) for tile in candidate_tiles(kernel, block_d, dtype.itemsize, block)
                   for variant in (loads or [None])]
     candidates += [(tile, "hopper") for tile in (hopper[0] if hopper else [])]
     if not tuning_enabled():

@@ -22,9 +22,11 @@ _causal_masks: dict[tuple, object] = {}  # (Tq, Tk, device) -> the Flex block ma
 FLEX_BLOCK = 128  # rows and columns of a Flex block (create_block_mask's default BLOCK_SIZE)
 
 
-def flex_attention_backend(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None) -> torch.Tensor:
-    """q (B, Hq, Tq, D), k and v (B, Hkv, Tk, D) -> (B, Hq, Tq, D). mask: every rule of a sparse call, causal
-    included; without it causal is aligned bottom-right (masks.py). A query that sees no key returns 0."""
+def flex_attention_backend(q, k, v, causal: bool, scale: float, mask: BlockMask | None = None, softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, Hq, Tq, D), k and v (B, Hkv, Tk, Dv) -> (B, Hq, Tq, Dv). mask: every rule of a sparse call, causal
+    included; without it causal is aligned bottom-right (masks.py). A query that sees no key returns 0.
+    softcap, alibi_slopes: attention()'s, through a score_mod (flex_score_mod)."""
     if q.device.type == "cpu" and any(t.requires_grad for t in (q, k, v)):
         raise NotImplementedError("backend 'flex' has no backward on CPU (PyTorch's FlexAttention computes "
                                   "gradients on CUDA only); train on CUDA, or with backend naive, sdpa or triton")
@@ -40,7 +42,23 @@ def flex_attention_backend(q, k, v, causal: bool, scale: float, mask: BlockMask 
     grouped_queries = Tq * (q.shape[1] // k.shape[1])
     kernel_options = {"FORCE_USE_FLEX_ATTENTION": True} if Tq < FLEX_BLOCK < grouped_queries else None
     run = compiled_flex() if q.device.type == "cuda" and not torch.compiler.is_compiling() else flex_attention
-    return run(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, kernel_options=kernel_options)
+    score_mod = flex_score_mod(softcap, alibi_slopes, Tk - Tq) if softcap or alibi_slopes is not None else None
+    return run(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True,
+               kernel_options=kernel_options)
+
+
+def flex_score_mod(softcap: float, alibi_slopes: torch.Tensor | None, query_offset: int) -> Callable:
+    """attention()'s softcap (s -> softcap * tanh(s / softcap)) and then ALiBi bias (-slope * |q + query_offset - k|)
+    as a Flex score_mod(score, b, h, q_idx, kv_idx), score being the scaled q.k."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap:
+            score = softcap * torch.tanh(score / softcap)
+        if alibi_slopes is not None:
+            slope = alibi_slopes[h] if alibi_slopes.dim() == 1 else alibi_slopes[b, h]
+            score = score - slope.to(score.dtype) * (q_idx + query_offset - kv_idx).abs().to(score.dtype)
+        return score
+
+    return score_mod
 
 
 @functools.cache
