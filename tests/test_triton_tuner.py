@@ -234,3 +234,32 @@ def test_a_kernels_choice_is_kept_on_disk_and_a_new_process_times_nothing(monkey
     monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("timed a key kept on disk"))
     choice, _ = tuner.tuned_launch(*call)
     assert choice == (second, None) and isinstance(choice[0], tiles.TlTile)
+
+
+def test_keys_too_small_to_time_take_the_first_candidate_and_the_tl_backward(monkeypatch, store):
+    # a head's (Tq, Tk) below TIMED_FROM runs for microseconds: no candidate is timed or compiled beyond the one taken
+    monkeypatch.setattr(tuner, "INTERPRET", False)  # tuning on, as on a GPU
+    monkeypatch.setattr(tiles, "INTERPRET", False)  # the GPU's candidates
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(tuner, "best_tile", {})
+    monkeypatch.setattr(tuner, "best_backward", {})
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("timed a key too small to time"))
+    launched = []
+    monkeypatch.setattr(tuner, "launch", lambda fn, grid, args, **constants: launched.append(
+        (constants["BLOCK_M"], constants["BLOCK_N"])) or types.SimpleNamespace(again=lambda *args: None))
+    constants = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True)
+    for T in (1, 37, 128):  # buckets up to 128
+        choice, _ = tuner.tuned_launch("fwd", "kernel", lambda block_m, block_n: (1, 1), (), constants, T, T,
+                                       torch.bfloat16)
+        first = tiles.TL_TILES["fwd"][64][0]
+        assert choice == (first, None)
+    assert launched[0] == (first.block_m, first.block_n)
+    tl_backward, hopper_backward = fake_backward_kernels(launched := [])
+    assert tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
+                                 torch.bfloat16, 100, 100, ()) is None  # the `tl` pair
+    assert launched == [] and store().get(repr(next(iter(tuner.best_backward)))) is None  # nothing kept on disk
+    # from TIMED_FROM on (bucket 256: T from 129), a key is timed
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: {choice: 1.0 for choice in first_runs})
+    tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
+                          torch.bfloat16, 129, 129, ())
+    assert len(tuner.best_backward) == 2

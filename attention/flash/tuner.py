@@ -10,7 +10,7 @@ warp-specialized backward (HopperBackwardTile, §13): backward_choice.
 Choices persist (tuning_store.py): a key timed once on a GPU model, Triton version and package version is read back
 by every later process, and the repository ships the choices for the H100 and the H200 (tuned/), so a first run there
 times nothing. NANOFLASH_AUTOTUNE=0 takes the first candidate that fits instead of timing or reading choices (quick
-tests).
+tests), and so does a key too small to time (TIMED_FROM).
 """
 import functools
 import os
@@ -41,6 +41,11 @@ SHIPPED_CHOICES = Path(__file__).parent / "tuned"  # benchmarks/tune.py writes t
 # - In ROUNDS rounds, the order rotating, its time the median of its rounds: timed once each in a fixed order, a
 #   candidate's time depends on the one before it.
 HEAT_MS, WARMUP_MS, REP_MS, ROUNDS = 100, 50, 25, 3
+# A key whose Tq and Tk buckets multiply to less than this is not timed but takes the first candidate that fits (for the backward, the `tl`
+# pair: the fewest launches): each head's kernel runs for microseconds, a call is host-bound, and the timings cannot
+# tell the candidates apart, while timing them compiles every one of them: seconds of a process's start-up, for a
+# sample's prefill of a short prompt say (docs/perf_notes.md, "Start-up").
+TIMED_FROM = 256 * 256
 
 
 class TuningKey(NamedTuple):
@@ -154,6 +159,10 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
     choice = best_tile[key] = _stored_choice(key, candidates)
     if choice is not None:
         return choice, run(choice)
+    if key.Tq_bucket * key.Tk_bucket < TIMED_FROM:
+        choice, launched = first_that_fits(candidates, run)
+        best_tile[key] = choice
+        return choice, launched
     times = timed({choice: functools.partial(repeated, choice) for choice in candidates})
     choice = best_tile[key] = min(times, key=times.get)
     _keep(key, choice)
@@ -181,7 +190,9 @@ def backward_choice(tl_backward, hopper_backward, tiles: list[HopperBackwardTile
     # the `tl` pair is kept on disk as "tl" (a missing key reads None)
     candidates = ["tl", *tiles]
     choice = _stored_choice(key, candidates)
-    if choice is None:
+    if choice is None and key.Tq_bucket * key.Tk_bucket < TIMED_FROM:
+        choice = "tl"
+    elif choice is None:
         # timed as their plans (the `tl` kernels' first run tunes their tiles, so their time is the tuned one)
         times = timed({"tl": lambda: functools.partial(tl_backward(), *call),
                        **{t: lambda t=t: functools.partial(hopper_backward(t).again, *call) for t in tiles}})
