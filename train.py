@@ -501,7 +501,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
         set_rng_state(rewind[1])
         stopped_by = stop.name
 
-    save(step)
+    if cfg.final_checkpoint:
+        save(step)
     bar.close()
     if world.is_main:
         logger.close()
@@ -509,7 +510,11 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
         best = f"best val loss {best_val_loss:.4f}; " if best_val_loss < math.inf else ""
         skips = f"{skipped} step(s) skipped for non-finite values; " if skipped else ""
         resume_hint = "; continue with --resume" if stopped_by else ""
-        print(f"{status} at step {step}; {best}{skips}checkpoint {checkpoints.newest}{resume_hint}")
+        if not cfg.final_checkpoint:
+            saved, resume_hint = "no final checkpoint (final_checkpoint=false)", ""
+        else:
+            saved = f"checkpoint {checkpoints.newest}"
+        print(f"{status} at step {step}; {best}{skips}{saved}{resume_hint}")
 
 
 def main(argv: list[str]) -> None:

@@ -326,6 +326,18 @@ def test_mfu_peak_is_looked_up_by_gpu_name(monkeypatch, gpu_name, peak):
     assert peak_flops(torch.device("cpu")) is None
 
 
+def test_final_checkpoint_false_writes_none_at_the_end_but_keeps_the_periodic_ones(tmp_path, data_dir, capsys):
+    # timing runs (benchmarks/scaling.py) leave out the end's checkpoint: a large model's takes minutes to write
+    status, out, err = run_main(main_argv(tmp_path / "none", data_dir, max_steps=3, final_checkpoint=False), capsys)
+    assert status == 0, err
+    assert not (tmp_path / "none" / "ckpt.pt").exists() and len(read_metrics(tmp_path / "none")[0]) == 3
+    assert "done at step 3; no final checkpoint (final_checkpoint=false)" in out
+    status, _, err = run_main(main_argv(tmp_path / "periodic", data_dir, max_steps=3, checkpoint_interval=2,
+                                        final_checkpoint=False), capsys)
+    assert status == 0, err
+    assert read_checkpoint(tmp_path / "periodic" / "ckpt.pt")["step"] == 2
+
+
 def test_sigterm_mid_run_saves_a_loadable_checkpoint(tmp_path, data_dir):
     flags = cli_flags(**{**TINY, "max_steps": 100_000, "data_dir": data_dir, "out_dir": tmp_path})
     proc = subprocess.Popen([sys.executable, "train.py", *flags], cwd=ROOT, env=cpu_env(),

@@ -69,6 +69,8 @@ class TrainConfig:
     sample_tokens: int = 64
     sample_prompt: str = "\n"
     checkpoint_interval: int = 500  # also saved at the end and on SIGINT/SIGTERM
+    # false: none at the end nor on SIGINT/SIGTERM (timing runs: a large model's takes minutes to gather and write)
+    final_checkpoint: bool = True
     # logging
     log_interval: int = 10  # steps between metrics.jsonl/wandb/console records (the progress bar shows every step)
     wandb: bool = True
