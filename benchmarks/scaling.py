@@ -26,7 +26,13 @@ nvidia-h200 (docs/perf_notes.md). DDP's compiled graph is split at its buckets a
 the first DDP run and fsdpN each compile cold (~90 s each with torchrun's start and 30 steps of ~0.1-0.4 s), while a
 later DDP run finds its graphs in Inductor's cache (~45 s). The large model is eager: ~20 s to start, ~30 s to
 initialise 3.9B weights on each rank's CPU, ~1.5 s a step. 2 GPUs: 90 + 90 + 90 + 80 = ~350 s. 4 GPUs: 90 + 90 + 45
-+ 90 + 80 + 45 (the resume, warm) = ~440 s. Each run gets the time left (--budget_s from the start) as its limit, and a
++ 90 + 80 + 45 (the resume, warm) = ~440 s. Estimates: no GPU session has run this yet.
+
+The large model's memory per GPU at 2 GPUs, estimated: sharded fp32 weights 7.8 GB and AdamW moments 15.6 GB; during
+accumulation FSDP2 keeps each block's gradient unsharded (train.py turns the reduce-scatter off on all but the last
+micro-step, set_requires_gradient_sync(False)): 15.6 GB; activations at 4 x 1024 tokens ~19 GB and autocast's bf16
+weight copies ~7.5 GB kept for the backward; the logits ~3 GB: ~70 GB of 80. A micro-batch that does not fit is
+halved and the run started again (twice the accumulation, the same tokens per step), as time allows. Each run gets the time left (--budget_s from the start) as its limit, and a
 run that would start with less than --min_run_s left is recorded as not run; the report is rewritten after every run,
 so whatever finished is in results.json whatever stops the rest.
 """
@@ -171,7 +177,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--steps", type=int, default=30, help="steps of each GPT-2 124M run (default 30)")
     p.add_argument("--skip_steps", type=int, default=DEFAULT_SKIP_STEPS,
                    help=f"first steps of each run left out of the medians (default {DEFAULT_SKIP_STEPS})")
-    p.add_argument("--large_steps", type=int, default=8, help="steps of the large model (default 8)")
+    p.add_argument("--large_steps", type=int, default=10, help="steps of the large model (default 10)")
     p.add_argument("--large_batch_size", type=int, default=4,
                    help="the large model's micro-batch; accumulation fills 16 sequences per GPU (default 4)")
     p.add_argument("--large_compile", action="store_true", help="compile the large model too (default: eager)")

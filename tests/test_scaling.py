@@ -42,7 +42,7 @@ def test_the_plan_of_four_gpus_keeps_the_global_batch_and_resumes_at_two(tmp_pat
     assert flags_of(commands["resume-ddp2"])["resume"] == "true" and runs[-1].from_step == 27
     large = flags_of(commands["large-fsdp4"])
     assert (large["n_layer"], large["n_embd"], large["n_head"], large["batch_size"]) == ("48", "2560", "20", "4")
-    assert (large["parallel"], large["compile"], large["max_steps"]) == ("fsdp", "false", "8")
+    assert (large["parallel"], large["compile"], large["max_steps"]) == ("fsdp", "false", "10")
     assert flags_of(commands["fsdp4"])["compile"] == "true"
     two = scaling.plan(scaling.parse_args(["--gpus", "2", "--out_dir", str(tmp_path)]))
     assert [r.name for r in two] == ["ddp1", "ddp2", "fsdp2", "large-fsdp2"]  # a resume needs N >= 4 unless asked
