@@ -26,15 +26,16 @@ nvidia-h200 (docs/perf_notes.md). DDP's compiled graph is split at its buckets a
 the first DDP run and fsdpN each compile cold (~90 s each with torchrun's start and 30 steps of ~0.1-0.4 s), while a
 later DDP run finds its graphs in Inductor's cache (~45 s). The large model is eager: ~20 s to start, ~30 s to
 initialise 3.9B weights on each rank's CPU, ~1.5 s a step. 2 GPUs: 90 + 90 + 90 + 80 = ~350 s. 4 GPUs: 90 + 90 + 45
-+ 90 + 80 + 45 (the resume, warm) = ~440 s. Estimates: no GPU session has run this yet.
++ 90 + 80 + 45 (the resume, warm) = ~440 s. Estimates: no GPU session has run this yet. Each run's limit is the time
+left (--budget_s from the start), at most --max_run_s (240), so that a hung run leaves time to the others; a run
+that would start with less than --min_run_s left is recorded as not run. The report is rewritten after every run, so
+whatever finished is in results.json whatever stops the rest.
 
 The large model's memory per GPU at 2 GPUs, estimated: sharded fp32 weights 7.8 GB and AdamW moments 15.6 GB; during
 accumulation FSDP2 keeps each block's gradient unsharded (train.py turns the reduce-scatter off on all but the last
 micro-step, set_requires_gradient_sync(False)): 15.6 GB; activations at 4 x 1024 tokens ~19 GB and autocast's bf16
 weight copies ~7.5 GB kept for the backward; the logits ~3 GB: ~70 GB of 80. A micro-batch that does not fit is
-halved and the run started again (twice the accumulation, the same tokens per step), as time allows. Each run gets the time left (--budget_s from the start) as its limit, and a
-run that would start with less than --min_run_s left is recorded as not run; the report is rewritten after every run,
-so whatever finished is in results.json whatever stops the rest.
+halved and the run started again (twice the accumulation, the same tokens per step), as time allows.
 """
 import argparse
 import os
@@ -186,6 +187,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--resume_check", action="store_true", help="the resume run below 4 GPUs too (N -> N/2)")
     p.add_argument("--budget_s", type=float, default=540, help="seconds for all runs (default 540)")
     p.add_argument("--min_run_s", type=float, default=30, help="a run is not started with less time left (default 30)")
+    p.add_argument("--max_run_s", type=float, default=240,
+                   help="no run takes longer, so that a hung one leaves time to the rest (default 240)")
     p.add_argument("--dist_timeout", type=int, default=300, help="train.py's --dist_timeout (default 300)")
     p.add_argument("--against", type=Path, help="another session's results.json (e.g. 2 GPUs'): its FSDP2 figures "
                                                  "beside these in the report (ignored if missing)")
@@ -209,7 +212,8 @@ def write_plan(args, runs: list[Run], env: dict) -> None:
     model = "tiny GPT, CPU, fp32, sdpa" if args.tiny else "GPT-2 124M, compiled, --attn=triton, bf16"
     write_json(args.out_dir / "plan.json", {
         "env": env, "gpus": args.gpus,
-        "settings": {"model": model, "per_gpu": f"{seqs} x {seq_len} tokens", "global_batch": seqs * seq_len * args.gpus,
+        "settings": {"model": model, "per_gpu": f"{seqs} x {seq_len} tokens",
+                     "global_batch": seqs * seq_len * args.gpus,
                      "steps": args.steps, "large_steps": args.large_steps, "budget_s": args.budget_s,
                      "train_args": args.train_args},
         "runs": [{k: v for k, v in asdict(run).items() if k not in ("settings", "extra")} for run in runs],
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
             info = {"name": run.name, "command": command(run, run_dir), "returncode": None, "timed_out": False,
                     "wall_s": 0.0, "skipped": why_not}
         else:
-            info = execute(run, run_dir, left, label)
+            info = execute(run, run_dir, min(left, args.max_run_s), label)
         while (run.kind == "large" and info["returncode"] != 0 and not info["timed_out"] and run.batch_size > 1
                and out_of_memory(run_dir / "train.log")
                and (left := args.budget_s - (time.monotonic() - start)) >= args.min_run_s):
@@ -266,7 +270,8 @@ def main(argv=None) -> int:
             run.batch_size, run.grad_accum = run.batch_size // 2, run.grad_accum * 2
             run.settings["batch_size"] = run.batch_size
             write_plan(args, runs, env)
-            info = {**execute(run, run_dir, left, f"{label} out of memory; again at --batch_size={run.batch_size}:"),
+            info = {**execute(run, run_dir, min(left, args.max_run_s),
+                              f"{label} out of memory; again at --batch_size={run.batch_size}:"),
                     "out_of_memory_at": info.get("out_of_memory_at", []) + [run.batch_size * 2]}
         failed += info["returncode"] != 0
         write_json(run_dir / "run.json", info)

@@ -124,8 +124,8 @@ def test_the_report_computes_efficiency_loss_differences_memory_and_the_resume(t
     assert json.loads((tmp_path / "results.json").read_text())["scaling"][1]["loss_diff"]["4"] == pytest.approx(0.02)
 
     # issue 51: the 4-GPU figures beside the 2-GPU session's results.json, each row naming its machine
-    two = {"gpus": 2, "gpu": "NVIDIA H100 80GB HBM3", "large": {"median_tokens_per_s": 40.0, "tokens_per_s_per_gpu": 20.0,
-                                                               "peak_mem_gb": 70.0},
+    two = {"gpus": 2, "gpu": "NVIDIA H100 80GB HBM3",
+           "large": {"median_tokens_per_s": 40.0, "tokens_per_s_per_gpu": 20.0, "peak_mem_gb": 70.0},
            "fsdp": {"runs": {"fsdp": {"median_tokens_per_s": 300.0, "peak_mem_gb": 15.0}}}}
     (tmp_path / "two.json").write_text(json.dumps(two))
     summary = scaling_report.write_report(tmp_path, skip_steps=4, against_path=tmp_path / "two.json")
@@ -138,9 +138,9 @@ def test_the_report_computes_efficiency_loss_differences_memory_and_the_resume(t
 
 def test_the_report_marks_runs_not_run_failed_timed_out_and_a_resume_that_started_afresh(tmp_path):
     plan = {"env": {"gpu": None}, "gpus": 2, "settings": {"model": "tiny", "per_gpu": "2 x 32", "global_batch": 128},
-            "runs": [plan_entry("ddp1", "ddp", 1, 2), plan_entry("ddp2", "ddp", 2, 1), plan_entry("fsdp2", "fsdp", 2, 1),
-                     plan_entry("large-fsdp2", "large", 2, 2), plan_entry("resume-ddp1", "resume", 1, 2,
-                                                                          from_run="ddp2", from_step=2)]}
+            "runs": [plan_entry("ddp1", "ddp", 1, 2), plan_entry("ddp2", "ddp", 2, 1),
+                     plan_entry("fsdp2", "fsdp", 2, 1), plan_entry("large-fsdp2", "large", 2, 2),
+                     plan_entry("resume-ddp1", "resume", 1, 2, from_run="ddp2", from_step=2)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     write_run(tmp_path, "ddp1", [5.0, 4.0], [1, 1])
     write_run(tmp_path, "ddp2", [5.0, 4.0], [1, 1], returncode=1)
@@ -163,6 +163,7 @@ def fake_train_py(oom_batches=()):
     def run_logged(cmd, log_path, timeout, env):
         flags = flags_of(cmd)
         calls.append(flags)
+        assert 0 < timeout <= 240  # what is left of --budget_s, at most --max_run_s
         out = Path(flags["out_dir"])
         if int(flags["batch_size"]) in oom_batches:
             log_path.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
