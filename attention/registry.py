@@ -34,7 +34,8 @@ class Backend:
     # causal, scale, window, **terms); None: an exact backend runs it sequence by sequence
     varlen: Callable | None = None
     # the inputs.TERMS it computes: a call that uses one passes it to fn by name (softcap=, alibi_slopes=, sinks=,
-    # return_lse=True, then fn returns (out, lse)); "value_head_dim": v's head dim may differ from q's and k's
+    # dropout_p=, return_lse=True, then fn returns (out, lse)); "value_head_dim": v's head dim may differ from q's and
+    # k's
     terms: frozenset = frozenset()
 
 
