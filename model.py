@@ -29,8 +29,9 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    # Dropout on the residual path only (embeddings, attention output, MLP output). Dropout on the
-    # attention probabilities is not offered: the flash backends never materialise them.
+    # Dropout on the residual path (embeddings, attention output, MLP output) and, as nanoGPT's, on the attention
+    # probabilities in training (attention()'s dropout_p, docs/flash_attention.md §16), on every backend that computes
+    # it (naive, compile, sdpa, triton; MoBA's selection gets the residual dropout only)
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2; False is a bit faster
     attn: str = "sdpa"  # attention backend, one of attention.available_backends()
@@ -86,7 +87,7 @@ class GPTConfig:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(overrides) - set(valid))
         if unknown:
-            hint = " (`dropout` acts on the residual path; attention-probability dropout is not supported)"
+            hint = " (`dropout` acts on the residual path and on the attention probabilities)"
             raise ValueError(f"unknown GPTConfig field(s) {unknown}; valid fields: {valid}"
                              + (hint if any("dropout" in k for k in unknown) else ""))
         return cls(**{**PRESETS[name], **overrides})
@@ -102,6 +103,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # see GPT._init_weights
         self.resid_dropout = nn.Dropout(config.dropout)
+        # attention dropout (§16) where the backend computes it; in training only (forward)
+        self.attn_dropout = config.dropout if "dropout_p" in get_backend(config.attn).terms else 0.0
 
     def forward(self, x, kv_cache: KVCache | None = None, documents: BlockMask | None = None):
         """documents: the step's document mask (GPT.document_mask), which holds the window too."""
@@ -112,7 +115,7 @@ class CausalSelfAttention(nn.Module):
             # packed: the triton backend's backward then returns qkv's gradient as one tensor, where three
             # gradients of q, k, v would cost a concatenation per layer (see attention_qkvpacked)
             y = attention_qkvpacked(qkv, causal=True, backend=self.backend, window=window, block_mask=documents,
-                                    **self.options)
+                                    dropout_p=self.attn_dropout if self.training else 0.0, **self.options)
         else:
             y = self._attend_cached(qkv, kv_cache, window)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads side by side

@@ -74,20 +74,24 @@ def check_qkv_packed(qkv) -> None:
 
 # The terms a call may add to softmax attention (attention(), attention_varlen()), named as FlashAttention names its
 # arguments; a backend lists those it computes (registry.Backend.terms)
-TERMS = ("softcap", "alibi_slopes", "sinks", "return_lse", "value_head_dim")
+TERMS = ("softcap", "alibi_slopes", "sinks", "return_lse", "value_head_dim", "dropout_p")
 
 
-def used_terms(v_head_dim: int, head_dim: int, softcap, alibi_slopes, sinks, return_lse) -> list[str]:
+def used_terms(v_head_dim: int, head_dim: int, softcap, alibi_slopes, sinks, return_lse,
+               dropout_p=0.0) -> list[str]:
     """The TERMS a call uses, in TERMS' order."""
     used = dict(softcap=softcap != 0, alibi_slopes=alibi_slopes is not None, sinks=sinks is not None,
-                return_lse=bool(return_lse), value_head_dim=v_head_dim != head_dim)
+                return_lse=bool(return_lse), value_head_dim=v_head_dim != head_dim, dropout_p=dropout_p != 0)
     return [name for name in TERMS if used[name]]
 
 
 def check_terms(q: torch.Tensor, batch: int, heads: int, softcap, alibi_slopes, sinks,
-                batch_name: str = "batch") -> None:
+                batch_name: str = "batch", dropout_p=0.0) -> None:
     """softcap a number >= 0 (0: off); alibi_slopes float32 (heads,) or (batch, heads); sinks a floating (heads,)
-    tensor; both on q's device. batch_name: what the batch dim is called (attention_varlen's is its sequences)."""
+    tensor; both on q's device; dropout_p a number in [0, 1). batch_name: what the batch dim is called
+    (attention_varlen's is its sequences)."""
+    if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and 0 <= dropout_p < 1):
+        raise ValueError(f"dropout_p must be a number in [0, 1) (0 = off; pass 0 in eval), got {dropout_p!r}")
     if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and 0 <= softcap < float("inf")):
         raise ValueError(f"softcap must be a number >= 0 (0 = off; Gemma 2 uses 50.0 for attention), got {softcap!r}")
     for name, t, shapes in (("alibi_slopes", alibi_slopes, ((heads,), (batch, heads))), ("sinks", sinks, ((heads,),))):

@@ -20,8 +20,8 @@ class Attention(nn.Module):
         self.backend, self.causal, self.scale = backend, causal, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **terms) -> torch.Tensor:
-        """terms: attention()'s softcap, alibi_slopes, sinks, return_lse for this call (a model's sinks are its own
-        parameters)."""
+        """terms: attention()'s softcap, alibi_slopes, sinks, return_lse, dropout_p for this call (a model's sinks are
+        its own parameters; dropout_p is used as given: pass 0 outside training, e.g. p if self.training else 0)."""
         return attention(q, k, v, causal=self.causal, scale=self.scale, backend=self.backend, **self.options, **terms)
 
     def extra_repr(self) -> str:

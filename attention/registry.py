@@ -34,7 +34,8 @@ class Backend:
     # causal, scale, window, **terms); None: an exact backend runs it sequence by sequence
     varlen: Callable | None = None
     # the inputs.TERMS it computes: a call that uses one passes it to fn by name (softcap=, alibi_slopes=, sinks=,
-    # return_lse=True, then fn returns (out, lse)); "value_head_dim": v's head dim may differ from q's and k's
+    # dropout_p=, return_lse=True, then fn returns (out, lse)); "value_head_dim": v's head dim may differ from q's and
+    # k's
     terms: frozenset = frozenset()
 
 
@@ -85,7 +86,8 @@ ALL_TERMS = frozenset(TERMS)
 _BACKENDS: dict[str, Backend] = {
     "naive": Backend(_with_dense_mask(naive_attention), supports_masks=True, terms=ALL_TERMS),
     "compile": Backend(_with_dense_mask(compiled_attention), supports_masks=True, terms=ALL_TERMS),
-    "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True, terms=frozenset({"value_head_dim"})),
+    "sdpa": Backend(_with_dense_mask(sdpa_attention), supports_masks=True,
+                    terms=frozenset({"value_head_dim", "dropout_p"})),
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
                       varlen=_triton_varlen, terms=ALL_TERMS),
     # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
@@ -156,6 +158,7 @@ def attention(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention softmax(q k^T * scale) v.
@@ -178,9 +181,13 @@ def attention(
         (gpt-oss); it gets a gradient.
     return_lse: -> (out, lse), lse (B, Hq, Tq) float32 the natural log-sum-exp of each row's scores, the sink's
         included; +inf for a row that sees no key (and has no sink). Not differentiable.
+    dropout_p: attention dropout (§16; naive, compile, sdpa and triton): each probability is dropped with this
+        probability and the kept ones scaled by 1 / (1 - dropout_p), a new mask per call, reproducible under
+        torch.manual_seed. Used as given: pass 0 in eval, as with sdpa's.
     """
     return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options,
-                      terms=dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse))
+                      terms=dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+                                 dropout_p=dropout_p))
 
 
 def attention_qkvpacked(
@@ -196,6 +203,7 @@ def attention_qkvpacked(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
     **options,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention() on q, k, v packed in one (B, T, 3, nh, hs) tensor: a fused qkv projection's (B, T, 3C)
@@ -203,26 +211,29 @@ def attention_qkvpacked(
     Returns (B, nh, T, hs) like attention(). A backend that takes the packed tensor (triton) then returns the
     gradient of qkv as one tensor from its backward; given q, k, v as three views, autograd concatenates three
     gradients into it, a copy of qkv's size per call (the other backends still do that). softcap, alibi_slopes,
-    sinks, return_lse: as attention()'s."""
+    sinks, return_lse, dropout_p: as attention()'s."""
     check_qkv_packed(qkv)
     q, k, v = unpack_qkv(qkv)
     return _attention(q, k, v, causal, scale, backend, window, document_ids, block_mask, options, qkv,
-                      dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse))
+                      dict(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, return_lse=return_lse,
+                           dropout_p=dropout_p))
 
 
 def backend_terms(backend: str, q, v, batch: int, softcap=0.0, alibi_slopes=None, sinks=None, return_lse=False,
-                  batch_name: str = "batch") -> dict:
+                  batch_name: str = "batch", dropout_p=0.0) -> dict:
     """The terms a call uses (inputs.TERMS), checked, as the keyword arguments the backend's function takes ({} for
     none), or a one-line error: a bad value, or a term the backend does not compute (naming those that do)."""
-    if softcap == 0.0 and alibi_slopes is None and sinks is None and not return_lse and v.shape[-1] == q.shape[-1]:
+    if (softcap == 0.0 and alibi_slopes is None and sinks is None and not return_lse and v.shape[-1] == q.shape[-1]
+            and type(dropout_p) in (int, float) and dropout_p == 0):
         return {}  # the common call, on every layer of a model: nothing to check (host time)
-    check_terms(q, batch, q.shape[1], softcap, alibi_slopes, sinks, batch_name)
-    used = used_terms(v.shape[-1], q.shape[-1], softcap, alibi_slopes, sinks, return_lse)
+    check_terms(q, batch, q.shape[1], softcap, alibi_slopes, sinks, batch_name, dropout_p)
+    used = used_terms(v.shape[-1], q.shape[-1], softcap, alibi_slopes, sinks, return_lse, dropout_p)
     missing = [name for name in used if name not in get_backend(backend).terms]
     if missing:
         able = [name for name, other in sorted(_BACKENDS.items()) if set(used) <= other.terms]
         raise ValueError(f"backend {backend!r} does not compute {', '.join(missing)}; use one of: {', '.join(able)}")
-    given = dict(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True)
+    given = dict(softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks, return_lse=True,
+                 dropout_p=float(dropout_p))
     return {name: given[name] for name in used if name != "value_head_dim"}
 
 

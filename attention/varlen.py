@@ -10,7 +10,7 @@ The contract of FlashAttention's flash_attn_varlen_func, so code written for it 
     max_seqlen_q, max_seqlen_k: Python ints, the longest sequence of each (the GPU reads cu_seqlens itself, so a call
         never waits for the host to learn the lengths)
     causal: aligned bottom-right within each sequence, as attention()'s; window_size (left, right), -1 = unbounded
-    softcap, alibi_slopes: as flash_attn_varlen_func's (alibi_slopes (Hq,) or (n, Hq), one row per sequence, the
+    dropout_p, softcap, alibi_slopes: as flash_attn_varlen_func's (dropout_p: attention()'s, §16) (alibi_slopes (Hq,) or (n, Hq), one row per sequence, the
         distance bottom-right aligned within each sequence); sinks, return_lse (keyword only): as attention()'s
     -> (total_q, Hq, Dv); with return_lse (out, lse), lse (Hq, total_q) float32 as flash_attn_varlen_func's
 The triton backend runs every sequence in one launch; the other exact backends are references that attend sequence by
@@ -33,7 +33,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     spec = get_backend(backend)
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale)
     terms = backend_terms(backend, q, v, cu_seqlens_q.numel() - 1, softcap, alibi_slopes, sinks, return_lse,
-                          batch_name="sequences")
+                          batch_name="sequences", dropout_p=dropout_p)
     window = check_window(window_size)
     window = None if window == (-1, -1) else window
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -111,8 +111,6 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
             raise ValueError(f"{name} must be a Python int >= 0 (the longest sequence), got {n!r}; "
                              "compute it once per batch where the lengths are known, e.g. in the data loader")
-    if dropout_p:
-        raise ValueError(f"dropout_p={dropout_p}: nanoflash attention has no dropout; pass 0.0")
     check_scale(softmax_scale, "softmax_scale")
     if q.device.type == "cpu" and not torch.compiler.is_compiling():  # no GPU to wait for: check the offsets
         for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),

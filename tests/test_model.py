@@ -260,7 +260,7 @@ def test_config_errors():
         GPTConfig(attn="flash9000")
     with pytest.raises(ValueError, match="dropout"):
         GPTConfig(dropout=1.0)
-    with pytest.raises(ValueError, match="attention-probability dropout"):
+    with pytest.raises(ValueError, match="and on the attention probabilities"):
         GPTConfig.preset("gpt2", attn_dropout=0.1)
     with pytest.raises(ValueError, match="unknown preset"):
         GPTConfig.preset("gpt5")

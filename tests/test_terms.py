@@ -326,7 +326,7 @@ def test_terms_compile_in_only_where_used():
     q, k, v = qkv(D=24)
     for kernel in ("fwd", "dq", "dkdv"):
         assert dispatch._term_constants(dispatch.NO_TERMS, q, v, kernel) == {}
-    assert dispatch._term_args(dispatch.NO_TERMS, True) == (None,) * 6
+    assert dispatch._term_args(dispatch.NO_TERMS, True) == (None,) * 8  # dropout's two (§16) at the end
     terms = dispatch.Terms(1.0, torch.ones(2), torch.ones(2))
     assert dispatch._term_constants(terms, q, v[..., :16], "fwd") == dict(SOFTCAP=True, ALIBI=True, SINKS=True,
                                                                           HEAD_DV=16, BLOCK_DV=16)

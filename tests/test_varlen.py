@@ -97,7 +97,7 @@ def test_varlen_compiles_without_graph_breaks():
     (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].flip(0)}, "start at 0"),
     (lambda a: {**a, "max_seqlen_q": 3}, "max_seqlen"),
     (lambda a: {**a, "max_seqlen_k": 40.0}, "Python int"),
-    (lambda a: {**a, "dropout_p": 0.1}, "no dropout"),
+    (lambda a: {**a, "dropout_p": 1.0}, "dropout_p must be a number in"),
     (lambda a: {**a, "window_size": (5,)}, "window"),
     (lambda a: {**a, "k": a["k"][:, :, :8], "v": a["v"][:, :, :8]}, "head_dim"),
     (lambda a: {**a, "backend": "moba"}, "no varlen path"),

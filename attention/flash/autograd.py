@@ -18,8 +18,10 @@ Block-sparse calls (§10: window, documents, block masks) pass the BlockMask's t
 same ops as optional arguments (dispatch.MaskArgs): operators take tensors and numbers only. So do varlen
 calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
-FlashAttention's terms (§15: softcap, ALiBi slopes, sinks) are the ops' last arguments (dispatch.Terms); the backward
-ops return the sinks' gradient too (an empty tensor without sinks).
+FlashAttention's terms (§15: softcap, ALiBi slopes, sinks; §16 dropout_p and its seed) are the ops' last arguments
+(dispatch.Terms); the backward ops return the sinks' gradient too (an empty tensor without sinks). The dropout seed is
+a tensor argument, drawn by a random op before the forward op (dropout.draw_seed): a compiled graph draws it anew on
+every run, and the forward op's autograd context keeps it for the backward op.
 
 q, k, v packed in one (B, T, 3, H, D) tensor (a fused qkv projection's output, attention_qkvpacked)
 take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled), whose backward
@@ -32,22 +34,25 @@ from ..inputs import check_qkv, check_terms, unpack_qkv
 from .ops import define_op
 from ..block_mask import sequence_spans
 from .device import check_triton_support, is_hopper
+from .dropout import draw_seed
 
 # The arguments every op takes after (causal, scale): MaskArgs, Varlen and Terms flattened into operator types
 MASK_SCHEMA = ("Tensor? kv_blocks=None, Tensor? q_blocks=None, Tensor? document_ids=None, Tensor? tile_bits=None, "
                "int window_left=-1, int window_right=-1, int block_size=16, Tensor? spans=None, "
                "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
-               "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None")
+               "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, float dropout_p=0.0, "
+               "Tensor? dropout_seed=None")
 
 
 def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=None, window_left: int = -1,
                   window_right: int = -1, block_size: int = 16, spans=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                  max_seqlen_q: int = 0, max_seqlen_k: int = 0, softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                  dropout_p: float = 0.0, dropout_seed=None):
     """-> (MaskArgs, Varlen or None, Terms) from the ops' flat arguments."""
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return (dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen,
-            dispatch.terms_of(softcap, alibi_slopes, sinks))
+            dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed))
 
 
 def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None,
@@ -122,7 +127,7 @@ def _flash_attn_fwd_qkvpacked_fake(qkv, causal, scale, *mask):
 
 
 # The places of the tensors among the ops' mask arguments (MASK_SCHEMA), and of the sinks, the one that takes a gradient
-MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9, 13, 14)
+MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9, 13, 14, 16)
 SINKS = 14
 
 
@@ -201,22 +206,24 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
-                alibi_slopes=None, sinks=None):
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+                alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
         o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
-        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, dropout_seed)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
+        ctx.dropout_p = dropout_p
         ctx.mark_non_differentiable(lse)  # the log-sum-exp is returned for inspection, not for training
         ctx.set_materialize_grads(False)  # lse never gets a gradient: don't allocate zeros for it
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        q, k, v, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
+        terms = dispatch.terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed)
         grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
-                                  forward_key=ctx.plan_key, terms=dispatch.terms_of(ctx.softcap, alibi_slopes, sinks))
-        return *grads[:3], None, None, None, None, None, None, grads[3] if sinks is not None else None
+                                  forward_key=ctx.plan_key, terms=terms)
+        return *grads[:3], None, None, None, None, None, None, grads[3] if sinks is not None else None, None, None
 
 
 class PackedFlashAttentionFunction(torch.autograd.Function):
@@ -227,23 +234,23 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs, softcap: float = 0.0,
-                alibi_slopes=None, sinks=None):
+                alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
         q, k, v = unpack_qkv(qkv)
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v, terms)
         o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
-        ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks)
-        ctx.causal, ctx.scale, ctx.mask, ctx.softcap = causal, scale, mask, softcap
+        ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks, dropout_seed)
+        ctx.causal, ctx.scale, ctx.mask, ctx.softcap, ctx.dropout_p = causal, scale, mask, softcap, dropout_p
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        qkv, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        qkv, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
         dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key,
-                                        dispatch.terms_of(ctx.softcap, alibi_slopes, sinks))
-        return dqkv, None, None, None, None, None, dsinks
+                                        dispatch.terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed))
+        return dqkv, None, None, None, None, None, dsinks, None, None
 
 
 def kernel_mask_args(mask) -> dispatch.MaskArgs:
@@ -269,6 +276,7 @@ def flash_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ):
     """FlashAttention-2: softmax(q k^T * scale) v without materialising the (Tq, Tk) scores.
 
@@ -281,49 +289,54 @@ def flash_attention(
     contiguous; with return_lse also lse (B, Hq, Tq) float32, the natural-log log-sum-exp of
     each row's scaled scores (+inf for a row that sees no key; not differentiable).
     softcap, alibi_slopes, sinks: FlashAttention's terms (§15, attention()'s); v may have a head dim of its own.
+    dropout_p: attention dropout (§16, attention()'s).
     """
     check_qkv(q, k, v, scale, value_head_dim=True)
-    check_terms(q, q.shape[0], q.shape[1], softcap, alibi_slopes, sinks)
+    check_terms(q, q.shape[0], q.shape[1], softcap, alibi_slopes, sinks, dropout_p=dropout_p)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return triton_attention(q, k, v, causal, float(scale), return_lse, softcap=float(softcap),
-                            alibi_slopes=alibi_slopes, sinks=sinks)
+                            alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=float(dropout_p))
 
 
 def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = False, mask=None, qkv=None,
-                     softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                     softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0):
     """flash_attention for inputs that already passed check_qkv (the registry checks them once).
     mask: an attention.BlockMask holding every rule of the call (then `causal` is its causal rule).
     qkv: the (B, T, 3, H, D) tensor that q, k, v are the unpack_qkv views of, if they are (then its
-    gradient comes out of the backward as one tensor). softcap, alibi_slopes, sinks: §15's, checked."""
+    gradient comes out of the backward as one tensor). softcap, alibi_slopes, sinks: §15's, checked; dropout_p §16's,
+    checked, for which the call draws a seed of its own."""
     check_triton_support(q)
     if v.shape[-1] != q.shape[-1]:
         check_triton_support(v)  # its head dim too
     mask = kernel_mask_args(mask)
+    seed = draw_seed(q.device) if dropout_p else None
     if torch.compiler.is_compiling():  # the operators (module docstring)
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, seed)
         if qkv is not None:
             out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask, None, terms))
         else:
             out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, None, terms))
     elif qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask, softcap, alibi_slopes, sinks)
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask, softcap, alibi_slopes, sinks,
+                                                      dropout_p, seed)
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, None, softcap, alibi_slopes, sinks)
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, None, softcap, alibi_slopes, sinks,
+                                                dropout_p, seed)
     return (out, lse) if return_lse else out
 
 
 def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                             scale: float, window: tuple[int, int] | None = None, softcap: float = 0.0,
-                            alibi_slopes=None, sinks=None, return_lse: bool = False):
+                            alibi_slopes=None, sinks=None, return_lse: bool = False, dropout_p: float = 0.0):
     """attention_varlen's triton backend (§14), on inputs attention/varlen.py has checked: q (total_q, Hq, D), k, v
     (total_k, Hkv, Dv), cu_seqlens int32 on their device. -> (total_q, Hq, Dv); with return_lse also lse (Hq, total_q).
-    softcap, alibi_slopes ((Hq,) or (n, Hq)), sinks: §15's."""
+    softcap, alibi_slopes ((Hq,) or (n, Hq)), sinks: §15's; dropout_p §16's (a seed drawn per call)."""
     check_triton_support(q)
     if v.shape[-1] != q.shape[-1]:
         check_triton_support(v)
     varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    terms = dispatch.terms_of(softcap, alibi_slopes, sinks)
+    terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, draw_seed(q.device) if dropout_p else None)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
     # the warp-specialized kernels may run it, from each row's span (not with §15's terms, which they lack)
     spans = None

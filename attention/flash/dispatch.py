@@ -97,23 +97,27 @@ class Terms(NamedTuple):
     softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
     alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq) float32: -slope * |i + Tk - Tq - j| added to scores
     sinks: torch.Tensor | None = None  # (Hq,) a logit per head in every row's softmax denominator (forward only)
+    # §16 > 0: each probability dropped with this probability, the kept ones scaled by 1 / (1 - dropout_p), the mask
+    # drawn by Philox from dropout_seed ((1,) int64 on q's device, dropout.draw_seed's), regenerated in the backward
+    dropout_p: float = 0.0
+    dropout_seed: torch.Tensor | None = None
 
 
 NO_TERMS = Terms()
 
 
-def terms_of(softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-             sinks: torch.Tensor | None = None) -> Terms:
-    """Terms(softcap, alibi_slopes, sinks), or NO_TERMS itself for a call without any: the plain path tells it by
-    identity (host time on every call)."""
-    if not softcap and alibi_slopes is None and sinks is None:
+def terms_of(softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+             dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None) -> Terms:
+    """Terms(softcap, alibi_slopes, sinks, dropout_p, dropout_seed), or NO_TERMS itself for a call without any: the
+    plain path tells it by identity (host time on every call)."""
+    if not softcap and alibi_slopes is None and sinks is None and not dropout_p:
         return NO_TERMS
-    return Terms(softcap, alibi_slopes, sinks)
+    return Terms(softcap, alibi_slopes, sinks, dropout_p, dropout_seed if dropout_p else None)
 
 
 def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """No §15 term and one head dim for q, k, v: what the Hopper kernels take."""
-    return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None
+    """No §15 term, no dropout (§16) and one head dim for q, k, v: what the Hopper kernels take."""
+    return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None and not terms.dropout_p
             and v.shape[-1] == q.shape[-1])
 
 
@@ -127,32 +131,37 @@ def _term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str)
         constants["ALIBI"] = True
     if terms.sinks is not None and kernel != "dkdv":  # the forward's sink; the dQ kernel's rows for its gradient
         constants["SINKS"] = True
+    if terms.dropout_p:  # §16, in all three kernels
+        constants["DROPOUT"] = True
     if v.shape[-1] != q.shape[-1]:
         constants.update(HEAD_DV=v.shape[-1], BLOCK_DV=triton.next_power_of_2(v.shape[-1]))
     return constants
 
 
 def _term_args(terms: Terms, forward: bool) -> tuple:
-    """The kernels' softcap, SLOPES, stride_slopes_b, stride_slopes_h (and the forward's SINK_LOGITS, stride_sinks):
-    None where a term is off, which Triton compiles as a constant."""
+    """The kernels' softcap, SLOPES, stride_slopes_b, stride_slopes_h (and the forward's SINK_LOGITS, stride_sinks),
+    then dropout_p, SEED (§16): None where a term is off, which Triton compiles as a constant."""
     slopes, sinks = terms.alibi_slopes, terms.sinks
     slope_strides = (None, None) if slopes is None else (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
     args = (terms.softcap or None, slopes, *slope_strides)
-    return args + (sinks, None if sinks is None else sinks.stride(0)) if forward else args
+    if forward:
+        args += (sinks, None if sinks is None else sinks.stride(0))
+    return args + (terms.dropout_p or None, terms.dropout_seed)
 
 
 def _term_values(terms: Terms, forward: bool) -> tuple:
     """The values of the terms a call uses, in Terms' order, which its plan takes anew with every call."""
     if terms is NO_TERMS:
         return ()
-    return tuple(x for x in (terms.softcap or None, terms.alibi_slopes, terms.sinks if forward else None)
-                 if x is not None)
+    return tuple(x for x in (terms.softcap or None, terms.alibi_slopes, terms.sinks if forward else None,
+                             terms.dropout_p or None, terms.dropout_seed) if x is not None)
 
 
 def _with_values(terms: Terms, values: tuple, forward: bool) -> Terms:
     """terms with the values of another call of its plan (_term_values(terms, forward)'s)."""
     given = iter(values)
-    used = (bool(terms.softcap), terms.alibi_slopes is not None, terms.sinks is not None and forward)
+    used = (bool(terms.softcap), terms.alibi_slopes is not None, terms.sinks is not None and forward,
+            bool(terms.dropout_p), terms.dropout_seed is not None)
     return Terms(*(next(given) if on else off for on, off in zip(used, NO_TERMS)))
 
 
@@ -231,9 +240,9 @@ def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *t
     it anew)."""
     if any(t is not None for t in (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, mask.spans)):
         return None
-    on = None if terms is NO_TERMS else (bool(terms.softcap), *[None if t is None else
-                                                                (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
-                                                                for t in terms[1:]])
+    on = None if terms is NO_TERMS else (bool(terms.softcap), bool(terms.dropout_p),
+                                         *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+                                           for t in (terms.alibi_slopes, terms.sinks, terms.dropout_seed)])
     return (kind, causal, mask.window, mask.block_size, varlen and varlen[2:], HOPPER_MODE, TMA_MODE,
             torch.are_deterministic_algorithms_enabled(), tensors[0].device, on,
             *[(t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors])

@@ -10,9 +10,9 @@ bit-identical from run to run. dq_tile and dkdv_tile serve MoBA's kernels too (m
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LOG2E, head_base, head_slope, key_ranges, listed_row, listed_tile, listed_tile_id,
-                       load_document_ids, load_rows, query_ranges, query_tile_start, row_stats, rows_from, rule_visible,
-                       score_terms, sequence_bounds, store_rows, tile_visible)
+from .tl_tiles import (LOG2E, dropout_first, dropout_keep, head_base, head_slope, key_ranges, listed_row,
+                       listed_tile, listed_tile_id, load_document_ids, load_rows, query_ranges, query_tile_start,
+                       row_stats, rows_from, rule_visible, score_terms, sequence_bounds, store_rows, tile_visible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,12 +23,13 @@ from .tl_tiles import (LOG2E, head_base, head_slope, key_ranges, listed_row, lis
 def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stride_dot, stride_dod, cols, Tq,
                qk_scale, visibleT, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, k_col=None, shift=None,
                softcap=None, slope2=None, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None,
-               HEAD_DV: tl.constexpr = 0):
+               HEAD_DV: tl.constexpr = 0, drop=None, DROPOUT: tl.constexpr = False):
     """Add the query tile q_pos (M,) of one head into a key tile's dK, dV. Computed transposed (keys
     as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
     (N, M) mask, or None for a tile that needs none. §15: k_col (N, 1) the keys' positions, shift = Tk - Tq,
     softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: dO's and V's columns where V's
-    head dim is its own (None: cols and HEAD_DIM)."""
+    head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, first, the keys' columns (N, 1), n_cols,
+    dropout_p) of dropout_keep, with DROPOUT; the caller scales dV by 1 / (1 - p) once."""
     q = load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
     if cols_v is None:
         do = load_rows(DO, q_pos, Tq, stride_dot, cols, stride_dod, HEAD_DIM, visibleT is not None)  # (M, D)
@@ -46,8 +47,15 @@ def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stri
         pT = tl.exp2(kq * qk_scale - lse2[None, :])
     if visibleT is not None:
         pT = tl.where(visibleT, pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
+    if DROPOUT:  # §16 dV += (P * Z)^T dO, the mask regenerated from the scores' counters
+        seed, first, k_cols, n_cols, dropout_p = drop
+        keepT = dropout_keep(seed, first, q_pos[None, :], k_cols, n_cols, dropout_p)  # (N, M)
+        dv = tl.dot(tl.where(keepT, pT, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # dP^T = V dO^T        (N, M)
+    if DROPOUT:  # §16 the gradient of the undropped P: dP * Z / (1 - p); Delta stays rowsum(dO * O)
+        dpT = tl.where(keepT, dpT * (1.0 / (1.0 - dropout_p)), 0.0)
     dsT = pT * (dpT - delta[None, :])  # §5 softmax Jacobian: dS = P * (dP - Delta)       (N, M)
     if SOFTCAP:  # §15 through softcap * tanh(s / softcap): times 1 - tanh^2
         dsT = dsT * (1.0 - tT * tT)
@@ -66,12 +74,13 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                    H, GROUP, Tq, Tk, scale,
                    BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
                    window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
-                   softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                   softcap, SLOPES, stride_slopes_b, stride_slopes_h, dropout_p, SEED,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
                    MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False,
-                   ALIBI: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+                   ALIBI: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0,
+                   DROPOUT: tl.constexpr = False):
     # §15 as in attn_fwd: the terms' arguments None where a switch is off; V, dO and dV have V_DIM columns
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
     BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
@@ -81,6 +90,7 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
     q_start, k_start, seq_q, seq_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
     stat_rows = Tq  # the length of a head's rows in LSE and DELTA
+    n_cols = Tk  # §16 and of k's rows, which the dropout counters count
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_n >= Tk:  # §14 as in the forward
@@ -118,6 +128,10 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         LSEh = row_stats(LSE, b, h, H, stat_rows, q_start, VARLEN)
         DELTAh = row_stats(DELTA, b, h, H, stat_rows, q_start, VARLEN)
         slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
+        drop = None
+        if DROPOUT:  # §16 query head h's counters
+            seed, first = dropout_first(SEED, b, h, H, stat_rows, q_start, k_start, n_cols, VARLEN)
+            drop = (seed, first, k_pos[:, None], n_cols, dropout_p)
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_n, n_blocks,
@@ -126,7 +140,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                    DROPOUT)
             for i in range(n_full, n_listed):
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
@@ -136,7 +151,7 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                                     TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
         else:
             # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one (and those a
             # window's left edge cuts, §14) masked
@@ -148,22 +163,25 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                    DROPOUT)
             for start_m in range(full_end, end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
                                     stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
 
     DK = head_base(DK, b, h_kv, stride_dkb, stride_dkh)
     DV = head_base(DV, b, h_kv, stride_dvb, stride_dvh)
     store_rows(DK, dk * scale, k_pos, Tk, stride_dkt, cols, stride_dkd, HEAD_DIM)  # dS was w.r.t. scale * QK^T
+    if DROPOUT:  # §16 the kept P's 1 / (1 - p), once per element of dV
+        dv = dv * (1.0 / (1.0 - dropout_p))
     store_rows(DV, dv, k_pos, Tk, stride_dvt, cols_v, stride_dvd, V_DIM)
 
 
@@ -171,9 +189,10 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
 def dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, q_abs=None, softcap=None, slope2=None,
              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0,
-             pdp=None, SINKS: tl.constexpr = False):
+             pdp=None, SINKS: tl.constexpr = False, drop=None, DROPOUT: tl.constexpr = False):
     """Add the key tile k_pos (N,) into one query tile's dQ; visible, and §15's q_abs ... HEAD_DV, as in fwd_tile.
-    pdp: each row's running sum of P * dP, which this tile adds to with SINKS (§15). -> dq, pdp."""
+    pdp: each row's running sum of P * dP, which this tile adds to with SINKS (§15). -> dq, pdp. §16 drop: as
+    fwd_tile's."""
     k = load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
     if cols_v is None:
         v = load_rows(V, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
@@ -188,6 +207,10 @@ def dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt
     if visible is not None:
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
+    if DROPOUT:  # §16 as in dkdv_tile: dP * Z / (1 - p), from the same counters
+        seed, first, rows, n_cols, dropout_p = drop
+        keep = dropout_keep(seed, first, rows, k_pos[None, :], n_cols, dropout_p)
+        dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     if SINKS:  # §15 Delta as sum_j P dP, in fp32 from exact products (the sinks' gradient)
         pdp += tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])  # §5 (M, N)
@@ -207,12 +230,13 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                  H, GROUP, Tq, Tk, scale,
                  BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
                  window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
-                 softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS,
+                 softcap, SLOPES, stride_slopes_b, stride_slopes_h, dropout_p, SEED, SINK_ROWS,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                  SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
                  MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-                 SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+                 SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0,
+                 DROPOUT: tl.constexpr = False):
     # §15 as in attn_fwd: the terms' arguments None where a switch is off; V, O and dO have V_DIM columns. With SINKS
     # the program also writes each row's sum of P * dP to SINK_ROWS (laid out as LSE), for the sinks' gradient
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
@@ -225,6 +249,10 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     DELTA = row_stats(DELTA, b, h, H, Tq, q_start, VARLEN)
     if SINKS:
         SINK_ROWS = row_stats(SINK_ROWS, b, h, H, Tq, q_start, VARLEN)
+    drop = None
+    if DROPOUT:  # §16 as in the forward
+        n_cols = Tk
+        seed, first = dropout_first(SEED, b, h, H, Tq, q_start, k_start, n_cols, VARLEN)
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_m >= Tq:  # §14 as in the forward
@@ -262,6 +290,8 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     if ALIBI:
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1)
     pdp = tl.zeros([BLOCK_M], tl.float32)  # (M,) §15 each row's sum of P * dP, summed with SINKS only
+    if DROPOUT:
+        drop = (seed, first, q_pos[:, None], n_cols, dropout_p)
 
     if SPARSE:  # §10, the same key blocks as the forward pass visited
         row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,
@@ -270,7 +300,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                                stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
-                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
+                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -281,7 +311,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                                Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
-                               cols_v, V_DIM, pdp, SINKS)
+                               cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
     else:
         lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOW)  # §6, as in the forward
@@ -292,17 +322,17 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                                         WINDOW)
                 dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
                                    cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2,
-                                   SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
+                                   SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         for start_n in range(full_lo, full_end, BLOCK_N):
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                                stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
-                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS)
+                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
                                Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
-                               cols_v, V_DIM, pdp, SINKS)
+                               cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
     if SINKS:
         tl.store(SINK_ROWS + q_pos, pdp, mask=q_pos < Tq)
     DQ = head_base(DQ, b, h, stride_dqb, stride_dqh)

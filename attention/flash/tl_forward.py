@@ -10,20 +10,22 @@ too (moba/tl_kernels.py, §11).
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LN2, LOG2E, head_rows, head_slope, key_ranges, listed_row, listed_tile, listed_tile_id,
-                       load_document_ids, load_tile, query_tile_start, row_stats, rows_from, rule_visible, score_terms,
-                       sequence_bounds, store_tile, tile_visible)
+from .tl_tiles import (LN2, LOG2E, dropout_first, dropout_keep, head_rows, head_slope, key_ranges, listed_row,
+                       listed_tile, listed_tile_id, load_document_ids, load_tile, query_tile_start, row_stats,
+                       rows_from, rule_visible, score_terms, sequence_bounds, store_tile, tile_visible)
 
 
 @triton.jit
 def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale,
               visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, q_abs=None, softcap=None, slope2=None,
-              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0):
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0,
+              drop=None, DROPOUT: tl.constexpr = False):
     """Fold the key tile k_pos = start_n, start_n + 1, ... (N,) into one query tile's running max m_i,
     running sum l_i and unnormalised output acc. visible: the (M, N) mask of a tile that needs one;
     None for a tile every row sees whole (then no mask is built and no load is bounds-checked).
     §15: q_abs (M, 1), softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: V's columns
-    where its head dim is its own (None: cols and HEAD_DIM)."""
+    where its head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, first, rows (M, 1), n_cols, dropout_p)
+    of dropout_keep, with DROPOUT."""
     k = load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
     if cols_v is None:
         v = load_tile(V, start_n, k_pos, Tk, stride_vt, cols, stride_vd, HEAD_DIM, visible is not None)  # (N, D)
@@ -50,6 +52,9 @@ def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, strid
     p = tl.exp2(qk * unit - m_ref[:, None])  # (M, N)
     alpha = tl.exp2(m_i - m_ref)  # (M,)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:  # §16 l sums every P; a dropped one weighs no value (attn_fwd scales the kept by 1 / (1 - p))
+        seed, first, rows, n_cols, dropout_p = drop
+        p = tl.where(dropout_keep(seed, first, rows, k_pos[None, :], n_cols, dropout_p), p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
     return acc, m_new, l_i
 
@@ -63,14 +68,16 @@ def attn_fwd(Q, K, V, O, LSE,
               H, GROUP, Tq, Tk, scale,
               BLOCKS, stride_blocks_b, stride_blocks_h, n_blocks,
               window_left, window_right, DOC_IDS, stride_doc_b, TILE_BITS, CU_SEQLENS_Q, CU_SEQLENS_K,
-              softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks,
+              softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks, dropout_p, SEED,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
               SPARSE: tl.constexpr, WINDOW: tl.constexpr, DOCS: tl.constexpr, BITS: tl.constexpr,
               MASK_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False,
-              SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0):
+              SINKS: tl.constexpr = False, HEAD_DV: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0,
+              DROPOUT: tl.constexpr = False):
     # §15 the terms (softcap, SLOPES, SINK_LOGITS and their strides are None where a switch is off) and V's own head
-    # dim (HEAD_DV, BLOCK_DV; 0 where it is HEAD_DIM): V, O and the accumulator have V_DIM columns
+    # dim (HEAD_DV, BLOCK_DV; 0 where it is HEAD_DIM): V, O and the accumulator have V_DIM columns. §16 dropout_p and
+    # SEED (the call's Philox seed, one int64) likewise None without DROPOUT
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
     BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
     start_m = query_tile_start(BLOCK_M, CAUSAL)
@@ -78,6 +85,10 @@ def attn_fwd(Q, K, V, O, LSE,
     b, h = bh // H, bh % H
     q_start, k_start, seq_q, seq_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, Tq, Tk, VARLEN)
     LSE = row_stats(LSE, b, h, H, Tq, q_start, VARLEN)
+    drop = None
+    if DROPOUT:  # §16 the counters count the call's rows and k's rows (before Tq, Tk become this sequence's)
+        n_cols = Tk
+        seed, first = dropout_first(SEED, b, h, H, Tq, q_start, k_start, n_cols, VARLEN)
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_m >= Tq:  # §14 the grid covers the longest sequence; this one is shorter
@@ -112,6 +123,8 @@ def attn_fwd(Q, K, V, O, LSE,
     q_abs = None
     if ALIBI:
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1) the rows' positions among the keys (§6)
+    if DROPOUT:
+        drop = (seed, first, q_pos[:, None], n_cols, dropout_p)
 
     if SPARSE:
         # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones
@@ -122,7 +135,8 @@ def attn_fwd(Q, K, V, O, LSE,
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                      DROPOUT)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -133,7 +147,7 @@ def attn_fwd(Q, K, V, O, LSE,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
     else:
         # §6: the tiles a window's left edge cuts, masked; the fully visible ones, unmasked; then the few at the
         # diagonal and the ends, masked
@@ -146,17 +160,18 @@ def attn_fwd(Q, K, V, O, LSE,
                                         WINDOW)
                 acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                           stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                          softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                          softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
         for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                      DROPOUT)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM)
+                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
 
     # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
     # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0.
@@ -164,5 +179,8 @@ def attn_fwd(Q, K, V, O, LSE,
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))
-    store_tile(O, acc / l_safe[:, None], start_m, q_pos, Tq, stride_ot, cols_v, stride_od, V_DIM)
+    l_out = l_safe
+    if DROPOUT:  # §16 the kept P scaled by 1 / (1 - p), once per row here
+        l_out = l_safe * (1.0 - dropout_p)
+    store_tile(O, acc / l_out[:, None], start_m, q_pos, Tq, stride_ot, cols_v, stride_od, V_DIM)
     tl.store(LSE + q_pos, lse, mask=q_pos < Tq)

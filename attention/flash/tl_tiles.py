@@ -292,3 +292,43 @@ def query_tile_start(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     if CAUSAL:
         tile = tl.num_programs(0) - 1 - tile
     return tile * BLOCK_M
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout (§16): a keep mask regenerated from counters, never stored; a compile-time switch like §15's terms
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def dropout_first(SEED, b, h, H, n_rows, q_start, k_start, n_cols, VARLEN: tl.constexpr):
+    """§16: -> (seed, first), this program's Philox key (the call's seed, loaded once) and the counter of row 0,
+    column 0 of head h's scores: the counter of score (i, j) is first + i * n_cols + j. Rows count as the log-sum-exp's
+    do (row_stats: (b * H + h) * n_rows for a dense call, h * n_rows + q_start for varlen), columns as k's rows
+    (k_start + j): each score of a call has a counter of its own, the same in every kernel whatever its tiles."""
+    seed = tl.load(SEED)
+    if VARLEN:
+        row0 = h.to(tl.int64) * n_rows + q_start
+    else:
+        row0 = (b * H + h).to(tl.int64) * n_rows
+    return seed, row0 * n_cols + k_start
+
+
+@triton.jit
+def dropout_keep(seed, first, rows, cols, n_cols, dropout_p):
+    """§16: True where score (rows, cols) is kept (broadcast shapes, e.g. (M, 1) and (1, N), or transposed): Philox
+    (tl.rand) of its counter, uniform in [0, 1), at or above dropout_p, so with probability 1 - dropout_p."""
+    return tl.rand(seed, first + rows.to(tl.int64) * n_cols + cols) >= dropout_p
+
+
+@triton.jit
+def dropout_mask(KEEP, SEED, H, n_rows, n_cols, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """§16 the debug path (flash/dropout.py:keep_mask): the keep mask a seed gives a dense call's (B, H, n_rows,
+    n_cols) scores, or a varlen call's (1, H, total_q, total_k), written as bytes, by the kernels' own counters. A
+    program per (row tile, batch * head), looping over the columns."""
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    seed, first = dropout_first(SEED, b, h, H, n_rows, 0, 0, n_cols, False)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (M, 1)
+    KEEP += bh.to(tl.int64) * n_rows * n_cols
+    for start_n in range(0, n_cols, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
+        keep = dropout_keep(seed, first, rows, cols, n_cols, dropout_p)
+        tl.store(KEEP + rows.to(tl.int64) * n_cols + cols, keep.to(tl.int8), mask=(rows < n_rows) & (cols < n_cols))

@@ -12,13 +12,16 @@ from ..masks import causal_mask
 
 def naive_attention(q, k, v, causal: bool, scale: float, visible: torch.Tensor | None = None, softcap: float = 0.0,
                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, dropout_p: float = 0.0, keep: torch.Tensor | None = None):
     """visible: bool broadcastable to (B, Hq, Tq, Tk), True where a query may see a key (masks.py builds
     it for windows, documents and mask functions); given, it replaces the causal mask, which it must
     then already include. softcap: scores s become softcap * tanh(s / softcap) (0: off). alibi_slopes (Hq,) or
     (B, Hq): -slope * |i + Tk - Tq - j| added to the (capped) scores. sinks (Hq,): a logit per head that joins every
     row's softmax denominator and weights no value. return_lse: also -> each row's natural log-sum-exp (B, Hq, Tq),
-    the sink's term included, +inf for a row that sees nothing (float32, float64 for float64 inputs)."""
+    the sink's term included, +inf for a row that sees nothing (float32, float64 for float64 inputs).
+    dropout_p: each probability dropped with this probability, the kept ones scaled by 1 / (1 - dropout_p) (§16;
+    the log-sum-exp is the undropped one's); keep: the (B, Hq, Tq, Tk) bool mask to drop by (the tests' reference,
+    from flash/dropout.py:keep_mask), else torch's dropout draws one."""
     B, Hq, Tq, Tk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if k.shape[1] != Hq:  # grouped-query attention: each k/v head serves Hq // Hkv query heads
         k = k.repeat_interleave(Hq // k.shape[1], dim=1)
@@ -51,6 +54,10 @@ def naive_attention(q, k, v, causal: bool, scale: float, visible: torch.Tensor |
         # to masked entries, which in such a row are all of them. (A sink keeps every row's sum above 0.)
         blind = ~visible.any(dim=-1, keepdim=True)
         probs = probs.masked_fill(blind, 0.0)
+    if keep is not None:
+        probs = probs.masked_fill(~keep, 0.0) / (1 - dropout_p)
+    elif dropout_p:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
     out = probs.to(v.dtype) @ v  # (B, nh, Tq, Tk) x (B, nh, Tk, Dv) -> (B, nh, Tq, Dv)
     if not return_lse:
         return out

@@ -1,0 +1,51 @@
+"""Attention dropout's seeds and its debug path (docs/flash_attention.md §16).
+
+Each call that drops probabilities draws a seed of its own (draw_seed) from torch's generator on q's device, so
+torch.manual_seed reproduces a call's mask and the next call gets another. The kernels key Philox with that seed and
+count the scores (tl_tiles.py: dropout_first, dropout_keep): the backward regenerates the forward's mask from the
+seed alone, which the autograd context keeps; no mask is stored.
+
+The debug path, for tests:
+
+    with recording() as seeds:
+        y = attention(q, k, v, backend="triton", dropout_p=0.1)
+    keep = keep_mask(seeds[0], B, Hq, Tq, Tk, 0.1)   # (B, Hq, Tq, Tk) bool, the mask that call used
+"""
+import contextlib
+
+import torch
+
+_recorded: list | None = None  # the seeds drawn inside recording(), else None
+
+
+def draw_seed(device: torch.device) -> torch.Tensor:
+    """A new seed, (1,) int64 on device, from torch's generator there: under torch.compile a random op of the graph,
+    drawn anew at each run of it, not a constant baked into the graph."""
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    if _recorded is not None and not torch.compiler.is_compiling():
+        _recorded.append(seed)
+    return seed
+
+
+@contextlib.contextmanager
+def recording():
+    """-> a list that collects the seed of every call drawn inside the block (eager calls), in call order."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def keep_mask(seed: torch.Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p: float) -> torch.Tensor:
+    """(B, H, Tq, Tk) bool, True where a dense call of these sizes with this seed keeps a probability (§16), from the
+    kernels' own counters (tl_tiles.py: dropout_mask). A varlen call's mask is keep_mask(seed, 1, H, total_q, total_k,
+    p): sequence i's block is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], columns cu_seqlens_k[i]:cu_seqlens_k[i + 1]."""
+    import triton
+
+    from .tl_tiles import dropout_mask
+
+    keep = torch.empty(B, H, Tq, Tk, dtype=torch.int8, device=seed.device)
+    dropout_mask[(triton.cdiv(Tq, 16), B * H)](keep, seed, H, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=64)
+    return keep.bool()
