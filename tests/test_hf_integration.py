@@ -45,15 +45,16 @@ def _padding_mask(side, seq_len=PADDED_T):
     return mask
 
 
-def _logits_and_grads(model, input_ids, attention_mask=None):
-    """-> {"logits": the logits at tokens, parameter name: its gradient}. Padded positions are left out of both:
-    their outputs differ between implementations (ours are 0) and no token attends to them."""
-    model.train()
+def _logits_and_grads(model, input_ids, attention_mask=None, train=True):
+    """-> {"logits": the logits at tokens, parameter name: its gradient (of those that get one: a mixture of experts
+    may leave some out)}. Padded positions are left out of both: their outputs differ between implementations (ours
+    are 0) and no token attends to them. train=False: the backward in eval mode (no dropout)."""
+    model.train(train)
     logits = model(input_ids, attention_mask=attention_mask).logits
     logits = logits[attention_mask.bool()] if attention_mask is not None else logits
     # a loss that weighs every logit differently, so every attention output gets its own gradient
     (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
-    return {"logits": logits.detach(), **{n: p.grad for n, p in model.named_parameters()}}
+    return {"logits": logits.detach(), **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
 @pytest.mark.parametrize("model_name", list(CONFIGS))
@@ -121,12 +122,16 @@ def test_generate_left_padded_matches_sdpa(model_name, backend):
     """A left-padded batch through the KV cache: the prompt unpadded, then every new token (Tq = 1) against
     its row's tokens. The step logits are compared too: the tiny GPT-2 repeats its last token whatever it
     attends to."""
-    attention_mask = _padding_mask("left", seq_len=9)
+    _assert_generate_matches(CONFIGS[model_name], "sdpa", backend, _padding_mask("left", seq_len=9), 6)
+
+
+def _assert_generate_matches(config, reference, backend, attention_mask, max_new_tokens):
+    """Greedy generate() from the (3, 9) prompt under `reference` and ours: the same tokens, close step logits."""
     prompt = _input_ids(batch=3, seq_len=9) * attention_mask  # 0: the pad token
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
                   return_dict_in_generate=True, output_logits=True)
-    expected = _model(CONFIGS[model_name](), "sdpa").eval().generate(prompt, **kwargs)
-    got = _model(CONFIGS[model_name](), register(backend)).eval().generate(prompt, **kwargs)
+    expected = _model(config(), reference).eval().generate(prompt, **kwargs)
+    got = _model(config(), register(backend)).eval().generate(prompt, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     _assert_close_to_scale(torch.stack(got.logits), torch.stack(expected.logits), "step logits")
 
@@ -217,15 +222,6 @@ TERM_CONFIGS = {"gpt2": lambda: _gpt2_config(attn_pdrop=0.1), "gemma2": _gemma2_
                 "gpt_oss": _gpt_oss_config, "deepseek_v3": _deepseek_v3_config}
 
 
-def _eval_logits_and_grads(model, input_ids, attention_mask=None, train=True):
-    """_logits_and_grads, in eval mode unless `train` (GPT-2's attention dropout is refused in training)."""
-    model.train(train)
-    logits = model(input_ids, attention_mask=attention_mask).logits
-    logits = logits[attention_mask.bool()] if attention_mask is not None else logits
-    (logits * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
-    return {"logits": logits.detach(), **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
-
-
 def test_sliding_window_convention():
     """transformers' sliding_window=w lets query i see keys i - w < j <= i: our window=(w - 1, 0)."""
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
@@ -249,8 +245,8 @@ def test_term_models_match_eager(model_name, backend):
         eager_logits = _model(config, "eager").eval()(_input_ids()).logits
         ours_logits = _model(config, register(backend)).eval()(_input_ids()).logits
     _assert_close_to_scale(ours_logits, eager_logits, "eval logits")
-    expected = _eval_logits_and_grads(_model(config, "eager"), _input_ids(), train=train)
-    got = _eval_logits_and_grads(_model(config, register(backend)), _input_ids(), train=train)
+    expected = _logits_and_grads(_model(config, "eager"), _input_ids(), train=train)
+    got = _logits_and_grads(_model(config, register(backend)), _input_ids(), train=train)
     assert got.keys() == expected.keys()
     if model_name == "gpt_oss":
         assert "model.layers.0.self_attn.sinks" in got and got["model.layers.0.self_attn.sinks"].abs().max() > 0
@@ -328,3 +324,20 @@ def test_sinks_of_another_shape_raise():
 
     with pytest.raises(ValueError, match=r"s_aux of shape \(2, 4\).*\(4,\)"):
         _terms("GptOssAttention", 4, None, torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("model_name, backend", [("gemma2", "naive"), ("gpt_oss", "naive"), ("gpt_oss", "triton"),
+                                                 ("deepseek_v3", "naive")])
+@pytest.mark.parametrize("side", [None, "left"])
+def test_generate_with_terms_matches_eager(model_name, backend, side):
+    """generate() through the KV cache, past the sliding window (9 + 8 tokens > WINDOW): the sliding layers' cache
+    keeps the window's keys, the masks of the steps are read into attention() or, padded, attention_varlen."""
+    attention_mask = _padding_mask("left", seq_len=9) if side else torch.ones(3, 9, dtype=torch.long)
+    _assert_generate_matches(TERM_CONFIGS[model_name], "eager", backend, attention_mask, 8)
+
+
+def test_backend_without_a_term_raises():
+    """A backend that lacks a model's term says so in one line and names those that compute it."""
+    model = _model(_gemma2_config(), register("sdpa", name="nanoattn_torch")).eval()
+    with pytest.raises(ValueError, match="does not compute softcap; use one of: .*triton"):
+        model(_input_ids())

@@ -286,8 +286,8 @@ def _mask_plan(mask, B: int, Tq: int, Tk: int, left: int):
 def _read_mask(mask, B: int, Tq: int, Tk: int, left: int):
     """What a (B or 1, nh or 1, Tq, Tk) mask (bool: True = attend, or additive float: 0 / -inf or the dtype's
     lowest value) asks for, if it is one of ours, else None. _DENSE: for every row and head, the causal mask
-    (bottom-right, as transformers builds it for queries that continue a KV cache) within the window. _Rows
-    (Tq == Tk only): sequences, each a run of tokens (a position that attends to itself) whose queries see the
+    (bottom-right, as transformers builds it for queries that continue a KV cache) within the window. _Rows: with
+    a KV cache (Tq < Tk) padded rows (_read_cached_mask); without (Tq == Tk) sequences, each a run of tokens (a position that attends to itself) whose queries see the
     earlier tokens of their run within the window, and only those; the queries of padding are free (their outputs
     are 0 and no token reads them)."""
     if mask.dtype == torch.bool:
@@ -307,7 +307,7 @@ def _read_mask(mask, B: int, Tq: int, Tk: int, left: int):
     if bool((attends == visible).all()):
         return _DENSE
     if Tq != Tk:
-        return None
+        return _read_cached_mask(attends, Tq, Tk, visible)
     # a token starts a sequence unless it attends to the token before it; a window of one key (left 0) shows no
     # boundaries, and needs none: every query sees itself alone
     tokens = attends.diagonal(dim1=-2, dim2=-1)
@@ -318,6 +318,30 @@ def _read_mask(mask, B: int, Tq: int, Tk: int, left: int):
     if not bool(((attends == expected) | ~tokens[:, :, None]).all()):
         return None
     return _sequences(tokens, starts)
+
+
+def _read_cached_mask(attends, Tq: int, Tk: int, visible) -> _Rows | None:
+    """A (B, Tq, Tk) mask of queries that continue a KV cache (Tq < Tk) on a padded batch, or None: one sequence per
+    row, its keys those some query sees (a key out of every query's window may be left out: no query reads it), its
+    queries those that see themselves, both runs of positions that end at the same one, so that attention_varlen's
+    bottom-right alignment gives every query its distance to every key."""
+    q_tokens = attends.diagonal(offset=Tk - Tq, dim1=-2, dim2=-1)  # (B, Tq)
+    k_tokens = attends.any(dim=1)  # (B, Tk)
+    if not bool(((attends == (visible & k_tokens[:, None, :])) | ~q_tokens[:, :, None]).all()):
+        return None
+    q_ends, k_ends = _run_ends(q_tokens, Tk - Tq), _run_ends(k_tokens, 0)
+    if q_ends is None or k_ends is None or not bool(((q_ends == k_ends) | ~q_tokens.any(-1)).all()):
+        return None
+    return _Rows(*_packed_rows(q_tokens), *_packed_rows(k_tokens))
+
+
+def _run_ends(tokens, first_position: int):
+    """(B, n) bool -> the position after each row's last token, if every row's tokens are one run, else None."""
+    position = torch.arange(tokens.shape[1], device=tokens.device) + first_position
+    count = tokens.sum(-1)
+    end = torch.where(tokens, position + 1, 0).amax(-1)
+    start = torch.where(tokens, position, position[-1] + 1).amin(-1)
+    return end if bool(((count == 0) | (end - start == count)).all()) else None
 
 
 def _same_rows(plan: _Rows, documents: _Rows) -> bool:
