@@ -65,9 +65,11 @@ def _padding_or_sdpa_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset
     """transformers' mask builder for our implementations. A padded batch under the plain causal mask whose
     queries are the last q_length of its keys (no cache, or a dynamic one) gets its 2-D padding mask
     (B, kv_length), True at tokens, which the attention function unpads, as FlashAttention-2's builder does.
-    Everything else gets sdpa's mask: None for a causal batch without padding, so it costs nothing, and a 4-D
-    bool mask otherwise, which the attention function takes only if it is the causal mask. A caller that asks
-    for a materialized mask (allow_is_causal_skip=False) gets sdpa's too."""
+    Everything else gets sdpa's mask: None for a causal batch without padding (or a window longer than the
+    keys), so it costs nothing, and a 4-D bool mask otherwise (a sliding window, packed sequences, padding with a
+    window), which the attention function reads once per forward pass and takes only if it is one of the masks
+    it computes: (B, T, T) booleans, as sdpa and eager get. A caller that asks for a materialized mask
+    (allow_is_causal_skip=False) gets sdpa's too."""
     if (mask_function is causal_mask_function and allow_is_causal_skip and attention_mask is not None
             and kv_offset == 0 and attention_mask.shape[-1] == kv_length == q_offset + q_length):
         if not attention_mask.all():
@@ -100,8 +102,8 @@ def _attention_forward_for(backend: str):
         if attention_mask is not None and tuple(attention_mask.shape) == (B, Tk):
             # our mask builder's padding mask: it comes only for a padded batch under the causal mask
             if documents is not None:
-                raise ValueError("nanoflash attention got both a padding mask and cu_seq_lens_q/k; pack the "
-                                 "sequences without padding (one row, no attention_mask) or pad them without cu_seq_lens")
+                raise ValueError("nanoflash attention got both a padding mask and cu_seq_lens_q/k; pack the sequences "
+                                 "without padding (one row, no attention_mask) or pad them without cu_seq_lens")
             plan = kept_per_tensor(attention_mask, ("hf padding", Tq), lambda: _padding_plan(attention_mask, Tq))
             return _varlen(query, key, value, plan, **call), None
 
@@ -246,17 +248,28 @@ def _given_sequences(kwargs, B: int, Tq: int, Tk: int) -> _Rows | None:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return None
-    if cu_q is None or cu_k is None or B != 1 or Tq != Tk or not torch.equal(cu_q, cu_k):
-        raise ValueError(
-            f"nanoflash attention takes cu_seq_lens_q/k for sequences packed in one row without a KV cache, "
-            f"both the same; got batch {B}, {Tq} queries, {Tk} keys, cu_seq_lens_q "
-            f"{'given' if cu_q is not None else 'None'}, cu_seq_lens_k {'given' if cu_k is not None else 'None'}"
-        )
+    if cu_q is None or cu_k is None or B != 1 or Tq != Tk:
+        _refuse_cu_seq_lens(cu_q, cu_k, B, Tq, Tk)
+    # read once per tensor: every layer of a forward pass gets the same ones
+    return kept_per_tensor(cu_q, ("hf cu_seq_lens", id(cu_k), Tq), lambda: _cu_rows(cu_q, cu_k, Tq, kwargs))
+
+
+def _cu_rows(cu_q, cu_k, T: int, kwargs) -> _Rows:
+    """One row of T tokens holding the sequences of cu_seq_lens_q (== cu_seq_lens_k)."""
+    if not torch.equal(cu_q, cu_k):
+        _refuse_cu_seq_lens(cu_q, cu_k, 1, T, T)
     cu = cu_q.to(torch.int32)
     longest = kwargs.get("max_length_q")
     longest = int(cu.diff().max()) if longest is None else int(longest)
-    rows = (torch.zeros(Tq, dtype=torch.long, device=cu.device), torch.arange(Tq, device=cu.device))
-    return _Rows(rows, cu, longest)
+    return _Rows((torch.zeros(T, dtype=torch.long, device=cu.device), torch.arange(T, device=cu.device)), cu, longest)
+
+
+def _refuse_cu_seq_lens(cu_q, cu_k, B: int, Tq: int, Tk: int):
+    given = {name: "given" if cu is not None else "None" for name, cu in (("q", cu_q), ("k", cu_k))}
+    raise ValueError(
+        "nanoflash attention takes cu_seq_lens_q/k for sequences packed in one row without a KV cache, both the same; "
+        f"got batch {B}, {Tq} queries, {Tk} keys, cu_seq_lens_q {given['q']}, cu_seq_lens_k {given['k']}"
+    )
 
 
 def _restarting_positions(kwargs, B: int, Tq: int, Tk: int) -> _Rows | None:
@@ -287,9 +300,9 @@ def _read_mask(mask, B: int, Tq: int, Tk: int, left: int):
     """What a (B or 1, nh or 1, Tq, Tk) mask (bool: True = attend, or additive float: 0 / -inf or the dtype's
     lowest value) asks for, if it is one of ours, else None. _DENSE: for every row and head, the causal mask
     (bottom-right, as transformers builds it for queries that continue a KV cache) within the window. _Rows: with
-    a KV cache (Tq < Tk) padded rows (_read_cached_mask); without (Tq == Tk) sequences, each a run of tokens (a position that attends to itself) whose queries see the
-    earlier tokens of their run within the window, and only those; the queries of padding are free (their outputs
-    are 0 and no token reads them)."""
+    a KV cache (Tq < Tk) padded rows (_read_cached_mask); without (Tq == Tk) sequences, each a run of tokens (a
+    position that attends to itself) whose queries see the earlier tokens of their run within the window, and only
+    those; the queries of padding are free (their outputs are 0 and no token reads them)."""
     if mask.dtype == torch.bool:
         attends = mask
     elif mask.is_floating_point():
