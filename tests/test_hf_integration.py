@@ -337,7 +337,7 @@ def test_sinks_of_another_shape_raise():
     from attention.integrations.transformers import _terms
 
     with pytest.raises(ValueError, match=r"s_aux of shape \(2, 4\).*\(4,\)"):
-        _terms("GptOssAttention", 4, None, torch.zeros(2, 4))
+        _terms("GptOssAttention", 4, None, torch.zeros(2, 4), 0.0)
 
 
 @pytest.mark.parametrize("model_name, backend", [("gemma2", "naive"), ("gpt_oss", "naive"), ("gpt_oss", "triton"),

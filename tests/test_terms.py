@@ -233,8 +233,12 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("case", TERM_CASES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+# each term alone on the causal GQA layout, all of them together on every layout, and the sink where rows see no key
+TERM_LAYOUTS = ([(case, "causal") for case in TERM_CASES] + [("all", layout) for layout in LAYOUTS if layout != "causal"]
+                + [("sinks", "rows without keys")])
+
+
+@pytest.mark.parametrize("case, layout", TERM_LAYOUTS)
 def test_triton_terms_match_fp64(case, layout):
     sizes, Dv, causal, masks = LAYOUTS[layout]
     torch.manual_seed(11)
