@@ -126,9 +126,11 @@ def _flash_attn_fwd_qkvpacked_fake(qkv, causal, scale, *mask):
     return _flash_attn_fwd_fake(*unpack_qkv(qkv), causal, scale, *mask)
 
 
-# The places of the tensors among the ops' mask arguments (MASK_SCHEMA), and of the sinks, the one that takes a gradient
-MASK_TENSORS = (0, 1, 2, 3, 7, 8, 9, 13, 14, 16)
-SINKS = 14
+# The places of the tensors among the ops' mask arguments, read off MASK_SCHEMA, and of the sinks, the one that takes
+# a gradient
+_MASK_ARGS = MASK_SCHEMA.split(", ")
+MASK_TENSORS = tuple(i for i, arg in enumerate(_MASK_ARGS) if arg.startswith("Tensor"))
+SINKS = _MASK_ARGS.index("Tensor? sinks=None")
 
 
 def _keep(ctx, tensors: tuple, causal: bool, scale: float, mask: tuple) -> None:
