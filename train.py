@@ -388,7 +388,9 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     model = torch.compile(raw_model) if cfg.compile else raw_model
     no_sync = partial(fsdp_no_sync, raw_model) if sharded else None
     if distributed and not sharded:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradient_as_bucket_view: the gradients live in the buckets themselves, not copied in and out of them
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    bucket_cap_mb=cfg.ddp_bucket_mb, gradient_as_bucket_view=True)
         no_sync = model.no_sync
     optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
                                device, grad_accum, cfg.grad_clip, world.size, no_sync, cfg.nonfinite != "off",
@@ -429,21 +431,71 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
 
     # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
-    step, stopped_by, in_a_row = start_step, None, 0
+    # step: optimizer steps launched so far (updates and skipped ones). A launched step's loss and flags are read
+    # (settled) after the next step is queued, so the GPU never waits for the host between steps (training/step.py);
+    # evaluation, samples, checkpoints and the end settle it first, so they describe the model after `step` steps
+    step, stopped_by, in_a_row, in_flight = start_step, None, 0, None
+    settled_at = time.perf_counter()
+
+    def settle(launched) -> None:
+        """Read a launched step's results, log them; raise NonFiniteError after too many non-finite steps in a row,
+        note a stop request (stopped_by) from any rank."""
+        nonlocal settled_at, in_a_row, skipped, stopped_by
+        n, pending, launched_at = launched
+        result = pending.wait()
+        now = time.perf_counter()
+        step_s, settled_at = now - max(settled_at, launched_at), now  # the step's share of the wall clock
+        in_a_row = 0 if result.finite else in_a_row + 1
+        skipped += not result.finite
+        tokens_per_s = tokens_per_step / step_s
+        if world.is_main:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr_at(n, cfg):.2e}", ms=f"{1000 * step_s:.0f}", tok_s=f"{tokens_per_s:,.0f}")
+            if n % cfg.log_interval == 0 or n == cfg.max_steps - 1 or not result.finite:
+                record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
+                    "step": n, "train_loss": finite_or_none(result.loss), "lr": lr_at(n, cfg),
+                    "grad_norm": finite_or_none(result.grad_norm),
+                    "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_s,
+                    "mfu": flops_per_token * tokens_per_s / (peak * world.size) if peak else None,
+                    "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+                    "attn": cfg.attn, "warmup": n - start_step < TIMING_WARMUP_STEPS,
+                    "skipped": not result.finite, "skipped_steps": skipped,
+                }
+                logger.log_train(record)
+                bar.write(format_skipped(n, result.loss, result.grad_norm, skipped, in_a_row, cfg)
+                          if not result.finite else format_step(record, cfg.max_steps))
+        if not result.finite and (cfg.nonfinite == "stop" or in_a_row >= cfg.max_skipped_steps):
+            if world.is_main:
+                logger.close()
+            raise NonFiniteError(
+                f"{in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step {n}, "
+                f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
+                f"{checkpoints.where_to_resume()}")
+        if result.stop_votes and stopped_by is None:
+            stopped_by = stop.name if stop.signum else "a signal to another rank"
+
     try:
         while True:
             rewind = train_loader.state_dict(), rng_state()  # where a step cut short by a signal goes back to
-            # step = optimizer steps taken so far (updates and skipped ones); val loss and samples describe the
-            # model after them
-            last = step >= cfg.max_steps  # >=: a resume may start past a lowered max_steps
-            if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
+            last = step >= cfg.max_steps or stopped_by is not None  # >=: a resume may start past a lowered max_steps
+            evaluate_now = cfg.eval_interval and (step % cfg.eval_interval == 0 or last) and stopped_by is None
+            sample_now = (samples_here and cfg.sample_interval and stopped_by is None
+                          and ((step and step % cfg.sample_interval == 0) or last))
+            save_now = cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and start_step < step
+            if in_flight and (last or evaluate_now or sample_now or save_now):
+                in_flight, launched = None, in_flight
+                settle(launched)
+                continue  # the settled step may have asked to stop: decide again
+            if save_now and step < cfg.max_steps and stopped_by is None and not in_flight:
+                save(step)
+            if evaluate_now:
                 with stop.interruptible():
                     val_loss = evaluate(model, val_loader, val_start, cfg, autocast, device, world)
                 best_val_loss = min(best_val_loss, val_loss)
                 if world.is_main:
                     logger.log_val(step, val_loss, cfg.attn)
                     bar.write(f"step {step}: val loss {val_loss:.4f}")
-            if samples_here and cfg.sample_interval and ((step and step % cfg.sample_interval == 0) or last):
+            if sample_now:
                 with stop.interruptible():
                     text = sample_text(raw_model, prompt, cfg, step, autocast, device)
                 if world.is_main:
@@ -452,53 +504,18 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
             if last:
                 break
 
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            result = optimizer_step(lr, stop.signum is not None)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.perf_counter() - t0
-            in_a_row = 0 if result.finite else in_a_row + 1
-            skipped += not result.finite
-
-            tokens_per_s = tokens_per_step / step_s
-            if world.is_main:
-                bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", ms=f"{1000 * step_s:.0f}",
-                                tok_s=f"{tokens_per_s:,.0f}")
-                if step % cfg.log_interval == 0 or step == cfg.max_steps - 1 or not result.finite:
-                    grad_norm = result.grad_norm.item()
-                    record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
-                        "step": step, "train_loss": finite_or_none(result.loss), "lr": lr,
-                        "grad_norm": finite_or_none(grad_norm),
-                        "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_s,
-                        "mfu": flops_per_token * tokens_per_s / (peak * world.size) if peak else None,
-                        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-                        "attn": cfg.attn, "warmup": step - start_step < TIMING_WARMUP_STEPS,
-                        "skipped": not result.finite, "skipped_steps": skipped,
-                    }
-                    logger.log_train(record)
-                    bar.write(format_skipped(step, result.loss, grad_norm, skipped, in_a_row, cfg)
-                              if not result.finite else format_step(record, cfg.max_steps))
+            launched = (step, optimizer_step(lr_at(step, cfg), stop.signum is not None), time.perf_counter())
             step += 1
-            if not result.finite and (cfg.nonfinite == "stop" or in_a_row >= cfg.max_skipped_steps):
-                if world.is_main:
-                    logger.close()
-                raise NonFiniteError(
-                    f"{in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step {step - 1}, "
-                    f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
-                    f"{checkpoints.where_to_resume()}")
-            if result.stop_votes:
-                stopped_by = stop.name if stop.signum else "a signal to another rank"
-                break
-            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.max_steps:
-                save(step)
+            if in_flight:
+                settle(in_flight)
+            in_flight = launched
     except Stopped:
-        # a step cut short goes back to where it started: a resume reads its batches and draws its dropout again
+        # a step cut short goes back to where it started: a resume reads its batches and draws its dropout again.
+        # The step before it was launched whole (its update is queued): it counts, and its results are read
         train_loader.load_state_dict(rewind[0])
         set_rng_state(rewind[1])
+        if in_flight:
+            settle(in_flight)
         stopped_by = stop.name
 
     if cfg.final_checkpoint:

@@ -75,7 +75,7 @@ def make_step(cfg, world: World, compile_mode: str = "default", built: dict | No
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     train_step = TrainStep(*parts, autocast, device, cfg.grad_accum_steps(world.size), cfg.grad_clip, world.size,
                            no_sync=None, check_finite=cfg.nonfinite != "off")
-    return lambda: train_step(cfg.learning_rate, False), device, dtype
+    return lambda: train_step(cfg.learning_rate, False).wait(), device, dtype
 
 
 def timed_steps(step: Callable[[], None], device: torch.device, n: int, wait_for_gpu: bool = True) -> list[float]:

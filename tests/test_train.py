@@ -7,6 +7,7 @@ test_faults.py kills runs with SIGKILL and damages their checkpoints and data; t
 files themselves.
 """
 import json
+import math
 import os
 import shutil
 import signal
@@ -739,9 +740,9 @@ def test_every_rank_skips_when_any_rank_saw_a_non_finite_loss(tmp_path, data_dir
     if this_rank == "nan":
         monkeypatch.setattr(GPT, "forward", nan_loss_forward(GPT.forward, {0}, keep_grad=True))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = train_step(1e-2, False)
+    result = train_step(1e-2, False).wait()
     assert result.finite == (this_rank == other_rank == "finite" or not check_finite)
-    assert torch.isfinite(result.grad_norm) and result.stop_votes == 0
+    assert math.isfinite(result.grad_norm) and result.stop_votes == 0
     changed = not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert (changed, adam_steps(optimizer)) == (steps, {1.0} if steps else {0.0})
     assert not hasattr(optimizer, "found_inf")  # the next step starts clean
@@ -750,7 +751,7 @@ def test_every_rank_skips_when_any_rank_saw_a_non_finite_loss(tmp_path, data_dir
     # a skipped step leaves the moments as they were (none yet), and the next one steps as a first step would
     assert all(torch.count_nonzero(s["exp_avg"]) == 0 for s in optimizer.state.values())
     monkeypatch.setattr(step_module, "sum_across_ranks", lambda tensor: tensor + torch.tensor([3.0, 0.0, 0.0]))
-    assert train_step(1e-2, False).finite and adam_steps(optimizer) == {1.0}
+    assert train_step(1e-2, False).wait().finite and adam_steps(optimizer) == {1.0}
 
 
 def test_train_step_refuses_an_optimizer_that_cannot_skip_on_the_device(tmp_path, data_dir):

@@ -85,6 +85,9 @@ class TrainConfig:
     # state across them (FSDP2), for models one GPU cannot hold. One process trains the whole model either way
     parallel: str = "ddp"
     dist_timeout: int = 600  # seconds a collective waits for a lost or hung rank before the run exits
+    # DDP's gradient buckets: each is all-reduced as soon as the backward has filled it, and torch.compile splits the
+    # model's graph at their edges; larger buckets mean fewer graph pieces and all-reduces (docs/perf_notes.md)
+    ddp_bucket_mb: int = 100
     tf32: bool = True  # CUDA float32 matmuls on TF32 tensor cores (faster, ~1e-3 relative error); false: exact fp32
     seed: int = 1337
 
@@ -96,7 +99,7 @@ class TrainConfig:
 
     def _check_values(self):
         positive = ("block_size", "vocab_size", "batch_size", "max_steps", "eval_iters", "log_interval",
-                    "sample_tokens", "dist_timeout")
+                    "sample_tokens", "dist_timeout", "ddp_bucket_mb")
         non_negative = ("n_layer", "n_head", "n_embd", "total_batch_size", "warmup_steps", "lr_decay_steps",
                         "eval_interval", "sample_interval", "checkpoint_interval")
         for name in positive:

@@ -8,6 +8,11 @@ hands it): on a non-finite step the update kernel leaves the weights and moments
 count back, without the host waiting for the flag. Every rank gets the same sum, so all skip or all step. The host
 reads the flag after the update, with the loss, to count and log the skip. With an fp16 loss scaler the scaler skips
 non-finite gradients itself (lowering the scale) and the check judges the loss alone, on the host, before the update.
+
+A step returns as soon as its work is queued (LaunchedStep): its loss, flags and gradient norm travel to pinned host
+memory behind that work, and wait() reads them once they land. train.py queues the next step before it waits on this
+one, so the GPU never idles while the host logs and launches the next forward; a .item() or .tolist() here would
+instead wait for everything queued, the next step included.
 """
 import math
 from contextlib import nullcontext
@@ -20,13 +25,34 @@ from .distributed import local, sum_across_ranks
 
 class StepResult(NamedTuple):
     loss: float  # mean over the batch and every rank
-    grad_norm: torch.Tensor  # before clipping; on the device (read it when it is logged)
+    grad_norm: float  # this rank's, before clipping
     stop_votes: float  # ranks asked to stop (SIGINT/SIGTERM)
     finite: bool  # False: the loss or gradient norm was not finite on some rank, and no update was made
 
 
+class LaunchedStep:
+    """A step whose work is queued on the device. values: [loss sum over ranks, stop votes, ranks not finite,
+    this rank's grad norm]; they are copied to the host behind the step's work, and wait() blocks until they land."""
+
+    def __init__(self, values: torch.Tensor, world_size: int):
+        self.world_size, self.landed = world_size, None
+        if values.device.type == "cuda":
+            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.values.copy_(values, non_blocking=True)
+            self.landed = torch.cuda.Event()
+            self.landed.record()
+        else:
+            self.values = values
+
+    def wait(self) -> StepResult:
+        if self.landed is not None:
+            self.landed.synchronize()
+        loss_total, stop_votes, ranks_not_finite, grad_norm = self.values.tolist()
+        return StepResult(loss_total / self.world_size, grad_norm, stop_votes, ranks_not_finite == 0)
+
+
 class TrainStep:
-    """step(lr, stop_requested) -> StepResult. model: what the batches run through (compiled, DDP-wrapped, sharded);
+    """step(lr, stop_requested) -> LaunchedStep (its wait() -> StepResult). model: what the batches run through (compiled, DDP-wrapped, sharded);
     no_sync(): the context that skips the gradient sync on all but the last micro-step (None: one process);
     params: the parameters to clip; optimizer: a fused one (AdamW(fused=True), which takes found_inf);
     batches(): the next (x, y) on the CPU. check_finite: skip the update on a non-finite loss or gradient norm.
@@ -42,7 +68,7 @@ class TrainStep:
         self.grad_accum, self.grad_clip, self.world_size = grad_accum, grad_clip or math.inf, world_size
         self.no_sync, self.check_finite, self.interruptible = no_sync, check_finite, interruptible
 
-    def __call__(self, lr: float, stop_requested: bool) -> StepResult:
+    def __call__(self, lr: float, stop_requested: bool) -> LaunchedStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -66,19 +92,17 @@ class TrainStep:
             if not self.scaler.is_enabled():
                 finite &= torch.isfinite(grad_norm)
             not_finite = (~finite).float()
-        stop_flag = torch.tensor(float(stop_requested), device=self.device)
+        stop_flag = loss_sum.new_full((), float(stop_requested))  # a fill on the device, not a copy from the host
         # one all-reduce carries the loss to log, the stop requests and the non-finite flags: all ranks decide alike
         shared = sum_across_ranks(torch.stack([loss_sum / self.grad_accum, stop_flag, not_finite]))
         if self.scaler.is_enabled():
             # fp16: the scaler hands the fused update its own found_inf (non-finite gradients); a non-finite loss
             # whose gradients came out finite is caught here, on the host, before the update
-            loss_total, stop_votes, ranks_not_finite = shared.tolist()
-            if ranks_not_finite == 0:
+            if shared[2].item() == 0:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.found_inf = (shared[2] > 0).float()  # read by the fused update on the device
             self.optimizer.step()
             del self.optimizer.found_inf
-            loss_total, stop_votes, ranks_not_finite = shared.tolist()  # the step's one host sync, after the update
-        return StepResult(loss_total / self.world_size, grad_norm, stop_votes, ranks_not_finite == 0)
+        return LaunchedStep(torch.cat([shared, grad_norm.float().reshape(1)]), self.world_size)
