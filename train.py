@@ -271,7 +271,10 @@ def with_default_config(argv: list[str]) -> list[str]:
 
 def open_loader(cfg: TrainConfig, split: str, world: World, vocab_size: int) -> TokenLoader:
     try:
-        return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size, vocab_size)
+        # the train loader reads a whole optimizer step's micro-batches before it may move on to the next shard
+        accumulation = cfg.grad_accum_steps(world.size) if split == "train" else 1
+        return TokenLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, world.rank, world.size, vocab_size,
+                           accumulation)
     except (FileNotFoundError, ValueError) as err:
         hint = "; or pass --eval_interval=0 to train without evaluation" if split == "val" else ""
         raise ConfigError(f"{err}{hint}") from None

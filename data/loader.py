@@ -2,8 +2,10 @@
 
 All ranks walk the shards in lockstep. A shared base position advances by world_size*B*T tokens per
 batch and rank r reads the B*T+1 tokens from base + r*B*T, so the ranks see disjoint data and together
-read exactly what one process with a world_size-times-larger batch would. A shard with fewer than
-world_size*B*T+1 tokens left is done; after the last shard the loader starts over from the first.
+read exactly what one process with a world_size-times-larger batch would. An optimizer step of `accumulation`
+micro-batches per rank reads one contiguous world_size*accumulation*B*T chunk, and a shard with fewer tokens than
+that (+1) left when a step ends is done; after the last shard the loader starts over from the first. So the same
+global batch split as 1 GPU x 4 micro-batches or 4 GPUs x 1 reads the same tokens in every step, epochs included.
 
 Every shard is checked against the data's index when the loader starts (its size, header and length, and with
 vocab_size its largest token id; data/shards.py), and its tokens are read through once when it is first opened, so a
@@ -19,8 +21,9 @@ from .shards import INDEX, ShardError, check_shard, check_tokens, find_shards, l
 
 class TokenLoader:
     def __init__(self, data_dir: str, split: str, batch_size: int, block_size: int,
-                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None):
-        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("world_size", world_size)):
+                 rank: int = 0, world_size: int = 1, vocab_size: int | None = None, accumulation: int = 1):
+        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("world_size", world_size),
+                            ("accumulation", accumulation)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -35,9 +38,10 @@ class TokenLoader:
 
         self.data_dir, self.split = data_dir, split
         self.batch_size, self.block_size, self.rank, self.world_size = batch_size, block_size, rank, world_size
-        self.tokens_per_step = world_size * batch_size * block_size  # how far the shared base moves per batch
+        self.tokens_per_batch = world_size * batch_size * block_size  # how far the shared base moves per batch
+        self.accumulation, self.batches_into_step = accumulation, 0
         # +1: the target of a batch's last position is the token just after it
-        need = self.tokens_per_step + 1
+        need = self.tokens_per_batch * accumulation + 1
         self.index, self.vocab_size = read_index(data_dir), vocab_size
         found = {os.path.basename(path) for path in self.shards}
         missing = sorted(os.path.join(data_dir, name) for name in self.index["shards"]
@@ -50,9 +54,9 @@ class TokenLoader:
         for path, size in zip(self.shards, self.shard_sizes):
             if size < need:
                 raise ValueError(
-                    f"shard {path} holds {size} tokens, fewer than one batch needs: world_size * batch_size * "
-                    f"block_size + 1 = {world_size} * {batch_size} * {block_size} + 1 = {need}; "
-                    "lower batch_size or block_size, or prepare more data"
+                    f"shard {path} holds {size} tokens, fewer than one optimizer step needs: world_size * "
+                    f"accumulation * batch_size * block_size + 1 = {world_size} * {accumulation} * {batch_size} * "
+                    f"{block_size} + 1 = {need}; lower batch_size, block_size or total_batch_size, or prepare more data"
                 )
         self._open(0, 0)
 
@@ -64,7 +68,7 @@ class TokenLoader:
             self.read_through.add(shard)
 
     def _next_shard_if_exhausted(self) -> None:
-        if len(self.tokens) - self.position < self.tokens_per_step + 1:
+        if len(self.tokens) - self.position < self.tokens_per_batch * self.accumulation + 1:
             self._open((self.shard + 1) % len(self.shards), 0)  # after the last shard: a new epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,13 +78,16 @@ class TokenLoader:
         buf = torch.from_numpy(self.tokens[start : start + B * T + 1].astype(np.int64))
         x = buf[:-1].view(B, T)
         y = buf[1:].view(B, T)
-        self.position += self.tokens_per_step
-        self._next_shard_if_exhausted()
+        self.position += self.tokens_per_batch
+        self.batches_into_step = (self.batches_into_step + 1) % self.accumulation
+        if self.batches_into_step == 0:  # a step never straddles two shards or epochs
+            self._next_shard_if_exhausted()
         return x, y
 
     def state_dict(self) -> dict:
         """Where the next batch starts. It names the shared base position, not this rank's slice, so
-        rank 0's state restores every rank."""
+        rank 0's state restores every rank. Taken between optimizer steps (train.py does), it restores on any split
+        of the same global batch into ranks and micro-batches."""
         return {"split": self.split, "shard": self.shard, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
@@ -97,5 +104,6 @@ class TokenLoader:
             raise ValueError(f"the state's position {position} lies outside shard {self.shards[shard]} "
                              f"({self.shard_sizes[shard]} tokens); resume with the data_dir the run started with")
         self._open(shard, position)
+        self.batches_into_step = 0
         # a resume with a larger batch may find less than a batch left here
         self._next_shard_if_exhausted()

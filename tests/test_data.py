@@ -321,6 +321,26 @@ def test_two_ranks_split_what_one_rank_with_twice_the_batch_reads(tmp_path):
     assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
 
 
+def test_one_global_batch_reads_the_same_tokens_however_it_is_split(tmp_path):
+    # 16 tokens a step (plus 1) over shards of 50, 30 and 41: a step's micro-batches never straddle a shard or an
+    # epoch, so 1 rank x 4 micro-batches, 2 x 2 and 4 x 1 train on the same tokens in every step, wrap-arounds included
+    data_dir = make_shards(tmp_path, [50, 30, 41])
+
+    def steps(world_size, accumulation, n=12):
+        ranks = [TokenLoader(data_dir, "train", 1, 4, rank=r, world_size=world_size, accumulation=accumulation)
+                 for r in range(world_size)]
+        out = []
+        for _ in range(n):
+            out.append(sorted(x.flatten().tolist() for loader in ranks for x, _ in
+                              [loader.next_batch() for _ in range(accumulation)]))
+        assert all(loader.state_dict() == ranks[0].state_dict() for loader in ranks)
+        return out, ranks[0].state_dict()
+
+    single, state = steps(1, 4)
+    assert [step[0][0] for step in single[:7]] == [0, 16, 32, 1000, 2000, 2016, 0]
+    assert steps(2, 2) == steps(4, 1) == (single, state)
+
+
 def test_state_dict_restores_the_exact_next_batches_on_every_rank(tmp_path):
     data_dir = make_shards(tmp_path, [50, 30, 41])
     rank0, rank1 = (TokenLoader(data_dir, "train", 2, 3, rank=r, world_size=2) for r in range(2))
