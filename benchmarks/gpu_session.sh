@@ -148,19 +148,25 @@ triton.__version__)" | log ;;
     python3 -m benchmarks.versions step $RESULTS/versions/step-{before,after}/results.json | tee \
       $RESULTS/versions/step.md | log
     pack versions ;;
-  scaling)  # issues 50 and 51, on every GPU of the machine (N): DDP at 1 GPU (accumulating to N's global batch) and at
-            # 2..N, FSDP2 beside DDP at N, the 3.9B model under FSDP2 at N, and at N >= 4 a checkpoint of N GPUs
-            # resumed at N/2 (benchmarks/scaling.py; its docstring gives the time budget), into scaling/<gpu>x<N>.
+  scaling)  # issues 50 and 51, on the machine's N GPUs (or the first $SCALING_GPUS of them): DDP at 1 GPU
+            # (accumulating to N's global batch) and at 2..N, FSDP2 beside DDP at N, the 3.9B model under FSDP2 at N,
+            # and at N >= 4 a checkpoint of N GPUs resumed at N/2 (benchmarks/scaling.py), into scaling/<gpu>x<N>, or
+            # scaling/<gpu>x<all>-<N>gpus for a part of the machine. Past 2 GPUs, FSDP2's figures go beside the 2-GPU
+            # plan's: this session's on this machine (SCALING_GPUS=2 first), else a committed <gpu>x2 session's.
             # NVLink multicast stays off (the machines' own setting, kept if this shell lacks it). $SCALING_ARGS: more
             # runner options (--steps, --tiny for a CPU rehearsal with a stand-in nvidia-smi)
     shakespeare 2>&1 | log
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr A-Z a-z)
-    n=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
-    against=""  # past 2 GPUs, the FSDP2 figures beside the committed 2-GPU session's, where there is one
-    [ "$n" -gt 2 ] && against="--against benchmarks/results/scaling/${gpu:-gpu}x2/results.json"
+    all=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+    n=${SCALING_GPUS:-$all}
+    folder="${gpu:-gpu}x$all"; [ "$n" -lt "$all" ] && folder="${gpu:-gpu}x$all-${n}gpus"
+    against=""
+    for two in "$RESULTS/scaling/${gpu:-gpu}x$all-2gpus" "benchmarks/results/scaling/${gpu:-gpu}x2"; do
+      [ "$n" -gt 2 ] && [ -z "$against" ] && [ -f "$two/results.json" ] && against="--against $two/results.json"
+    done
     NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
       timeout "$SECONDS_LEFT" python3 -m benchmarks.scaling --gpus "$n" --budget_s $((SECONDS_LEFT - 20)) \
-      --out_dir "$RESULTS/scaling/${gpu:-gpu}x$n" $against ${SCALING_ARGS:-} -- --wandb=false 2>&1 | log
+      --out_dir "$RESULTS/scaling/$folder" $against ${SCALING_ARGS:-} -- --wandb=false 2>&1 | log
     pack scaling ;;
   *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context|host|hf_step|tune|startup|versions|scaling" >&2
      exit 2 ;;

@@ -20,14 +20,9 @@ tokens: 1 GPU accumulates N micro-batches). The large model runs --large_batch_s
 activations at 16 would not fit) with accumulation to the same 16 x 1024 tokens per GPU, uncompiled unless
 --large_compile. No evaluation, samples or final checkpoints (--final_checkpoint=false): only timed steps.
 
-Budget of one 600 s device call (the GPU runner gives a stage SECONDS_LEFT=560 s; --budget_s defaults to 540):
-train.py's start-up to its 5th step, compiled with --attn=triton, took 74 s with cold caches and 31 s warm on
-nvidia-h200 (docs/perf_notes.md). DDP's compiled graph is split at its buckets and FSDP2's at its blocks, so ddp1,
-the first DDP run and fsdpN each compile cold (~90 s each with torchrun's start and 30 steps of ~0.1-0.4 s), while a
-later DDP run finds its graphs in Inductor's cache (~45 s). The large model is eager: ~20 s to start, ~30 s to
-initialise 3.9B weights on each rank's CPU, ~1.5 s a step. 2 GPUs: 90 + 90 + 90 + 80 = ~350 s. 4 GPUs: 90 + 90 + 45
-+ 90 + 80 + 45 (the resume, warm) = ~440 s. Estimates: no GPU session has run this yet. Each run's limit is the time
-left (--budget_s from the start), at most --max_run_s (240), so that a hung run leaves time to the others; a run
+Budget: one device call (the GPU runner gives a stage SECONDS_LEFT=560 s; --budget_s defaults to 540) holds the
+plan of 2 or of 4 GPUs, with cold caches (what each run took: docs/perf_notes.md section 13). Each run's limit is the
+time left (--budget_s from the start), at most --max_run_s (240), so that a hung run leaves time to the others; a run
 that would start with less than --min_run_s left is recorded as not run. The report is rewritten after every run, so
 whatever finished is in results.json whatever stops the rest.
 

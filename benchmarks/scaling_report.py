@@ -14,7 +14,8 @@ or metrics.jsonl.gz) and writes results.json and results.md:
   and AdamW moments alone would take per GPU under DDP;
 - resume: a checkpoint written at N GPUs, resumed at N/2: its losses minus those of the run that wrote it;
 - against (with --against): the large model's and FSDP2's figures beside another session's results.json (issue 51:
-  4 GPUs against the 2-GPU session's), each row naming its machine.
+  4 GPUs against the 2-GPU session's), each row naming its machine;
+- scaling.png: DDP's tokens/s against n beside the linear ideal, and each n's loss minus the 1-GPU run's by step.
 
 Medians leave out the first --skip_steps steps and those train.py marks "warmup" (compilation). Peak memory is
 train.py's peak_mem_gb: torch.cuda.max_memory_allocated() of rank 0 (FSDP2 shards evenly; rank 0 also holds DDP's
@@ -31,7 +32,7 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])  # `python benchmarks/<this file>` works too
 
 from benchmarks.compare_report import metrics_file, read_metrics
-from benchmarks.report import fmt, markdown_table, write_json
+from benchmarks.report import fmt, markdown_table, pyplot, save_png, write_json
 
 DEFAULT_SKIP_STEPS = 5
 # fp32 weights and gradients and AdamW's two fp32 moments: what every DDP replica holds before any activation
@@ -227,6 +228,29 @@ def against_markdown(comparison: dict) -> str:
          for row in comparison["rows"]])])
 
 
+def plot(summary: dict, path: Path) -> None:
+    plt = pyplot()
+    rows = [row for row in summary["scaling"] if row["tokens_per_s"]]
+    if plt is None or not rows:
+        return
+    fig, (speed, losses) = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"wspace": 0.35})
+    one = next((row["tokens_per_s"] for row in rows if row["gpus"] == 1), None)
+    gpus = [row["gpus"] for row in rows]
+    speed.bar([str(n) for n in gpus], [row["tokens_per_s"] / 1e6 for row in rows], color="tab:blue", label="DDP")
+    if one:
+        speed.plot([str(n) for n in gpus], [n * one / 1e6 for n in gpus], "k--", marker="_", label="n x 1 GPU")
+    speed.set(xlabel="GPUs", ylabel="M tokens/s", title=f"GPT-2 124M on {summary['gpu'] or 'CPU'}")
+    speed.legend()
+    for row in rows:
+        if row["gpus"] != 1 and row["loss_diff"]:
+            steps = sorted(row["loss_diff"], key=int)
+            losses.plot([int(s) for s in steps], [row["loss_diff"][s] for s in steps], label=f"{row['gpus']} GPUs")
+    losses.axhline(0, color="k", lw=0.5)
+    losses.set(xlabel="step", ylabel="train loss - 1 GPU's", title="same global batch, same data")
+    losses.legend()
+    save_png(fig, path)
+
+
 def write_report(out_dir: Path, skip_steps: int = DEFAULT_SKIP_STEPS, against_path: Path | None = None) -> dict:
     """results.json and results.md from out_dir's files; against_path: another session's results.json, whose FSDP2
     figures are set beside these (left out when it does not exist)."""
@@ -237,6 +261,7 @@ def write_report(out_dir: Path, skip_steps: int = DEFAULT_SKIP_STEPS, against_pa
         text += "\n" + against_markdown(summary["against"])
     write_json(Path(out_dir) / "results.json", summary)
     (Path(out_dir) / "results.md").write_text(text)
+    plot(summary, Path(out_dir) / "scaling.png")
     return summary
 
 
