@@ -2,7 +2,7 @@
 # The GPU runs behind the README's tables, and the GPU tests: one or more stages per call of a GPU machine.
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
 # STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding | documents | moba | long_context
-#        | host | hf_step | tune | startup | versions | scaling
+#        | host | hf_step | tune | startup | versions | scaling | terms
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
@@ -108,6 +108,11 @@ triton.__version__)" | log ;;
   hf_step)  # a Hugging Face Llama's eager training step, ours against sdpa
     timeout "$SECONDS_LEFT" python3 -m benchmarks.hf_step --out_dir "$RESULTS/hf_step" 2>&1 | log
     pack hf_step ;;
+  terms)  # issue 47: what softcap, ALiBi, sinks, dropout and return_lse cost over our plain kernel, and ours against
+          # Flex's softcap / ALiBi and sdpa's dropout (B=4 H=16 T=4096 hs=128 bf16, causal and not, fwd and fwd+bwd)
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.terms --out_dir "$RESULTS/terms" 2>&1 | log
+    python3 -m benchmarks.terms_report "$RESULTS/terms" | log
+    pack terms ;;
   tune)  # the tuner's choices for this GPU model, into attention/flash/tuned/ (and $OUT/tuned/), which the repo ships
     timeout "$SECONDS_LEFT" python3 -m benchmarks.tune 2>&1 | tail -3 | log
     [ -n "${OUT:-}" ] && mkdir -p "$OUT/tuned" && cp attention/flash/tuned/*.json "$OUT/tuned/" ;;
@@ -168,7 +173,7 @@ triton.__version__)" | log ;;
       timeout "$SECONDS_LEFT" python3 -m benchmarks.scaling --gpus "$n" --budget_s $((SECONDS_LEFT - 20)) \
       --out_dir "$RESULTS/scaling/$folder" $against ${SCALING_ARGS:-} -- --wandb=false 2>&1 | log
     pack scaling ;;
-  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context|host|hf_step|tune|startup|versions|scaling" >&2
+  *) echo "unknown stage $stage: env|tests|kernels|memory|same_loss|seeds|step|sparse|decoding|documents|moba|long_context|host|hf_step|tune|startup|versions|scaling|terms" >&2
      exit 2 ;;
   esac
 done
