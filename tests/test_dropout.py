@@ -30,7 +30,7 @@ def assert_dropout_matches_fp64(q, k, v, causal=True, p=0.25, sinks=None, window
     _, dropout = _flash()
     B, Hq, Tq, _ = q.shape
     Tk = k.shape[2]
-    do = torch.randn(B, Hq, Tq, v.shape[-1], dtype=q.dtype)
+    do = torch.randn(B, Hq, Tq, v.shape[-1], dtype=q.dtype, device=q.device)
     leaves = (q, k, v) + (() if sinks is None else (sinks,))
 
     def extra(rest):

@@ -57,11 +57,11 @@ moba_hopper_bwd = define_op("moba_hopper_bwd(Tensor do, Tensor q, Tensor k, Tens
 
 class MobaFunction(torch.autograd.Function):
     """Autograd for the MoBA kernels (the selection gets no gradient); under torch.compile it calls the
-    ops, in eager mode the launchers directly (see flash/autograd.py for why). hopper: which kernels."""
+    ops, in eager mode the launchers directly (see flash/autograd.py for why). on_hopper: which kernels."""
 
     @staticmethod
-    def forward(ctx, q, k, v, selection, block_size: int, scale: float, hopper: bool):
-        if hopper:
+    def forward(ctx, q, k, v, selection, block_size: int, scale: float, on_hopper: bool):
+        if on_hopper:
             fwd = moba_hopper_fwd if torch.compiler.is_compiling() else hopper.forward
             o, lse, *layout = fwd(q, k, v, selection, block_size, scale)
             ctx.args = (scale,)
@@ -71,12 +71,12 @@ class MobaFunction(torch.autograd.Function):
             layout = (selection, *lists)
             ctx.args = (block_size, scale)
         ctx.save_for_backward(q, k, v, o, lse, *layout)
-        ctx.hopper = hopper
+        ctx.on_hopper = on_hopper
         return o
 
     @staticmethod
     def backward(ctx, do):
-        if ctx.hopper:
+        if ctx.on_hopper:
             bwd = moba_hopper_bwd if torch.compiler.is_compiling() else hopper.backward
         else:
             bwd = moba_bwd if torch.compiler.is_compiling() else tl_kernels.backward

@@ -187,17 +187,19 @@ def _moba_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ_PART, Q_LISTED, DO_LISTED, LSE_LIST
     lse2 = lse * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * LOG2E
+    # dq_tile also sums each row's P * dP for a call with sinks (flash/tl_backward.py, §15); MoBA has none, so the
+    # sums start at zero, go unused and compile out
+    pdp = tl.zeros([BLOCK_M], tl.float32)
 
     start, full_end, end = _block_key_ranges(block, tile, own, T, MOBA_BLOCK, BLOCK_M, BLOCK_N)  # as the forward
     for start_n in range(start, full_end, BLOCK_N):
-        # [0]: dq_tile's second result is the rows' sums a call with sinks needs (flash/tl_backward.py, §15)
-        dq = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
-                      stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION)[0]
+        dq, _ = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
+                         stride_vt, stride_vd, cols, T, qk_scale, None, HEAD_DIM, DOT_PRECISION, pdp=pdp)
     for start_n in range(full_end, end, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < T)
-        dq = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                      T, qk_scale, visible, HEAD_DIM, DOT_PRECISION)[0]
+        dq, _ = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
+                         T, qk_scale, visible, HEAD_DIM, DOT_PRECISION, pdp=pdp)
     out_rows = bh.to(tl.int64) * T * S + entry
     tl.store(DQ_PART + out_rows[:, None] * BLOCK_D + cols[None, :], dq * scale, mask=valid[:, None])
 
