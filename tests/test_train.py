@@ -785,6 +785,8 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_before_anything_is_w
     (["--device=cuda"], "device='cuda' but torch sees no CUDA GPU; pass --device=cpu"),
     (["--attn=flex", "--doc_mask=true"], "--attn=flex: FlexAttention computes gradients on a CUDA GPU only, and this "
      "runs on cpu; use sdpa or naive there"),
+    (["--attn=cuda"], "--attn=cuda: the cuda attention kernels run on a CUDA GPU, and this runs on cpu; use a dense "
+     "backend such as sdpa there"),
 ])
 def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatch, capsys, flags, message):
     # in this process: Triton's interpreter read as off (TRITON_INTERPRET unset), CUDA as missing
