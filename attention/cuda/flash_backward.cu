@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    const int i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.heads_q, b = row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q);
+    const int i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.heads_q;
+    const int64_t b = row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q);
     const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head + i * p.do_stride.row;
     const T *out = static_cast<const T *>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + i * p.o_stride.row;
     float sum = 0.f;
@@ -183,8 +184,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<uint32_t *>(s_ds + swizzle<BM>(warp * 16 + g + 8 * r, (2 * kk + half) * 8 + 2 * t)) =
-                        ads[2 * half + r];
+                    *reinterpret_cast<uint32_t *>(
+                        s_ds + swizzle<BM>(warp * 16 + g + 8 * r, (2 * kk + half) * 8 + 2 * t)) = ads[2 * half + r];
         }
         __syncthreads();
 
@@ -270,7 +271,8 @@ cudaError_t launch_backward(const AttentionParams &p) {
 }  // namespace
 
 cudaError_t flash_backward(const AttentionParams &p) {
-    if (p.bf16) return p.head_dim == 64 ? launch_backward<__nv_bfloat16, 64>(p) : launch_backward<__nv_bfloat16, 128>(p);
+    if (p.bf16)
+        return p.head_dim == 64 ? launch_backward<__nv_bfloat16, 64>(p) : launch_backward<__nv_bfloat16, 128>(p);
     return p.head_dim == 64 ? launch_backward<__half, 64>(p) : launch_backward<__half, 128>(p);
 }
 

@@ -161,7 +161,7 @@ __device__ __forceinline__ void load_tile_async(T *tile, const T *base, int64_t 
 // ---------------------------------------------------------------------------------------------------------------------
 // math
 
-// 2^x in one instruction (§8 exp2). ex2.approx(-inf) = +0, which masked scores rely on. We call it ourselves instead of
+// 2^x in one instruction (§8 exp2). ex2.approx(-inf) = +0, which masked scores rely on. Called by name instead of
 // compiling with --use_fast_math, which would also change every division and square root of the kernels.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

@@ -85,6 +85,11 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             }
         }
 
+        // §8 exp2: scores in base 2 (scaled before masking, so that a negative scale cannot turn -inf into +inf)
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nb][e] *= scale_log2;
         // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
 #pragma unroll
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             float m_new = m_run[r];
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
-                m_new = fmaxf(m_new, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]) * scale_log2);
+                m_new = fmaxf(m_new, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
             m_new = group_max(m_new);
             // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes both p and
             // alpha exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
@@ -120,7 +125,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
                 for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[nb][e] = fast_exp2(fmaf(s[nb][e], scale_log2, -m_sub));
+                    s[nb][e] = fast_exp2(s[nb][e] - m_sub);
                     l_run[r] += s[nb][e];
                 }
             }
