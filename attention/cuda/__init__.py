@@ -79,4 +79,12 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if scale is None:
         scale = q.shape[-1] ** -0.5
     q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    return _CudaAttention.apply(q, k, v, bool(causal), float(scale))
+    return _apply(q, k, v, bool(causal), float(scale))
+
+
+# torch.compile cannot trace into the extension's functions: the call is left out of the graph (a graph break per
+# call) rather than failing the compile. (Registering the kernels as torch.library custom ops with fake
+# implementations, as attention/flash does for the Triton kernels, would keep them in the graph; not done yet.)
+@torch.compiler.disable
+def _apply(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    return _CudaAttention.apply(q, k, v, causal, scale)

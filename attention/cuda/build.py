@@ -75,14 +75,17 @@ def check_cuda_device(device: torch.device) -> None:
         raise CudaBackendUnavailable(
             f"the cuda attention kernels need an sm_80 or newer GPU (bf16 mma.sync, cp.async), and this one is "
             f"sm_{capability[0]}{capability[1]}; use backend='sdpa' or 'triton'")
-    check_toolchain()
+    if capability not in build_seconds:  # once built, the tools are not needed (nor PATH searched per call) again
+        check_toolchain()
 
 
 def load_extension(device: torch.device):
     """The compiled module (forward, backward) for device's architecture: built on the first call of the process,
     from torch's extension cache after that."""
-    check_cuda_device(device)
-    return _load(torch.cuda.get_device_capability(device))
+    capability = torch.cuda.get_device_capability(device)
+    if capability not in build_seconds:
+        check_cuda_device(device)
+    return _load(capability)
 
 
 @functools.cache
