@@ -125,7 +125,7 @@ __device__ __forceinline__ uint32_t b_pattern(const void *tile, int row0, int co
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// cp.async: global -> shared copies that run while the warp computes (double buffering, §9)
+// cp.async: global -> shared copies that run while the warps compute (double buffering: §9's num_stages = 2)
 
 // 16 bytes from src to dst; with valid false nothing is read and dst gets zeros (a row past the end of the sequence).
 __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
@@ -143,7 +143,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Rows [row0, row0 + ROWS) of a (T, COLS) matrix whose rows are row_stride elements apart, into a swizzled ROWS x
-// COLS tile; rows >= seqlen become zeros (§9 ragged edges). Issued by all THREADS threads of the block, 16 bytes each.
+// COLS tile; rows >= seqlen become zeros (§6 ragged last tile). Issued by all THREADS threads, 16 bytes each.
 template <typename T, int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_tile_async(T *tile, const T *base, int64_t row_stride, int row0, int seqlen,
                                                 int tid) {

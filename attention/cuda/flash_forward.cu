@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 
     for (int j = 0; j < n_tiles; ++j) {
         const int buf = j & 1, n0 = j * BN;
-        // §9 double buffering: tile j + 1's copies are issued before tile j is computed
+        // double buffering (the num_stages = 2 of §9): tile j + 1's copies are issued before tile j is computed
         if (j + 1 < n_tiles) {
             load_tile_async<T, BN, D, FWD_THREADS>(s_k + (buf ^ 1) * BN * D, k, p.k_stride.row, n0 + BN, Tk, tid);
             load_tile_async<T, BN, D, FWD_THREADS>(s_v + (buf ^ 1) * BN * D, v, p.v_stride.row, n0 + BN, Tk, tid);
