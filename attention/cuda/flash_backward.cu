@@ -1,4 +1,5 @@
-// The backward pass (§4-§8 of docs/flash_attention.md) on tensor cores, in three kernels:
+// The backward pass (§4-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores, in three
+// kernels:
 //   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32;
 //   2. backward_kernel: one thread block per (key tile, batch, kv head) holds its K and V tile in shared memory and
 //      walks the query tiles of every query head of its group (§7), recomputing P from lse (§4); it accumulates dK

@@ -1,5 +1,6 @@
-// The forward pass (§2-§4, §6-§8 of docs/flash_attention.md) on tensor cores: one thread block per (query tile,
-// batch, head), 4 warps of 16 query rows each, walking the key tiles with K and V double-buffered in shared memory.
+// The forward pass (§2-§4, §6-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores:
+// one thread block per (query tile, batch, head), 4 warps of 16 query rows each, walking the key tiles with K and V
+// double-buffered in shared memory.
 #include <cmath>
 
 #include "flash_common.cuh"
