@@ -47,6 +47,20 @@ def _triton_attention(q, k, v, causal: bool, scale: float, mask: BlockMask | Non
     return triton_attention(q, k, v, causal, scale, mask=mask, qkv=qkv, **terms)
 
 
+def _cuda_attention(q, k, v, causal: bool, scale: float):
+    # Imported on first use, as _triton_attention's: its first call builds the CUDA extension (cuda/build.py), and
+    # nothing else in the project needs a compiler.
+    from .cuda import cuda_attention
+
+    return cuda_attention(q, k, v, causal, scale)
+
+
+def _check_cuda_device(device: torch.device) -> None:
+    from .cuda.build import check_cuda_device  # on first use, as _cuda_attention's import
+
+    check_cuda_device(device)
+
+
 def _triton_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, **terms):
     from .flash.autograd import triton_varlen_attention  # on first use, as _triton_attention's import
 
@@ -90,6 +104,8 @@ _BACKENDS: dict[str, Backend] = {
                     terms=frozenset({"value_head_dim", "dropout_p"})),
     "triton": Backend(_triton_attention, supports_masks=True, packed=True, check_device=_check_triton_device,
                       varlen=_triton_varlen, terms=ALL_TERMS),
+    # FlashAttention-2 in CUDA C++ (cuda/): fp16 / bf16, head dim 64 or 128, causal or not, GQA; no masks or terms
+    "cuda": Backend(_cuda_attention, check_device=_check_cuda_device, terms=frozenset()),
     # PyTorch's FlexAttention (flex.py): the same masks through torch's compiled kernels, to compare ours with
     "flex": Backend(_flex_attention, supports_masks=True, check_device=_check_flex_device,
                     terms=frozenset({"softcap", "alibi_slopes", "value_head_dim"})),

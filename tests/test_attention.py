@@ -12,7 +12,7 @@ from attention import Attention, Backend, BlockMask, attention, attention_qkvpac
 from attention import registry
 
 REFERENCE_BACKENDS = ["naive", "compile", "sdpa"]
-ALL_BACKENDS = ["naive", "compile", "sdpa", "triton", "flex", "moba"]
+ALL_BACKENDS = ["naive", "compile", "sdpa", "triton", "flex", "moba", "cuda"]
 
 
 def _qkv(**shape):
@@ -89,8 +89,8 @@ def test_strided_views_give_the_same_result():
 
 def test_registry_lists_and_extends_backends(monkeypatch):
     assert available_backends() == sorted(ALL_BACKENDS)
-    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; choose one of: compile, flex, moba, "
-                                         "naive, sdpa, triton"):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash3'; choose one of: compile, cuda, flex, "
+                                         "moba, naive, sdpa, triton"):
         attention(*_qkv(), backend="flash3")
     spec = registered_backend(monkeypatch, "test_double_naive",
                               lambda q, k, v, causal, scale: 2 * attention(q, k, v, causal, scale, "naive"))

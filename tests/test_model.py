@@ -294,7 +294,8 @@ def test_optimizer_groups():
     (dict(attn_options={"moba_block": 128}), r"'sdpa' got unknown option\(s\) \['moba_block'\]; it takes no options"),
     (dict(attn="moba", attn_options=[("moba_block", 128)]), "attn_options must be a dict"),
     (dict(attn="moba", window=8), "window=8 with attn='moba': that backend takes no masks; pick a backend that does"),
-    (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, flex, moba, naive, sdpa, triton"),
+    (dict(attn="mobba"), "unknown attention backend 'mobba'; choose one of: compile, cuda, flex, moba, naive, sdpa, "
+                         "triton"),
 ])
 def test_sparse_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):

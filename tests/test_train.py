@@ -497,7 +497,8 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["--learning_rate=fast"], "--learning_rate takes a float"),
     (["--compile=yes"], "--compile takes true/false/1/0"),
     (["--batch_size"], "--batch_size needs a value"),
-    (["--attn=flashy"], "unknown attention backend 'flashy'; choose one of: compile, flex, moba, naive, sdpa, triton"),
+    (["--attn=flashy"], "unknown attention backend 'flashy'; choose one of: compile, cuda, flex, moba, naive, sdpa, "
+                        "triton"),
     (["--init_from=gpt2", "--attn=flashy"], "unknown attention backend 'flashy'; choose one of"),
     (["--attn=moba", "--window=8"], "model: window=8 with attn='moba': that backend takes no masks"),
     (["--window=-1"], "GPTConfig.window must be an int >= 0"),
@@ -572,8 +573,8 @@ def test_cli_prints_the_error_without_a_traceback():
     result = run_cli("train.py", "--attn=flashy", "--device=cpu", timeout=60)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        "train.py: error: attn: unknown attention backend 'flashy'; choose one of: compile, flex, moba, naive, sdpa, "
-        "triton"]
+        "train.py: error: attn: unknown attention backend 'flashy'; choose one of: compile, cuda, flex, moba, naive, "
+        "sdpa, triton"]
     assert "Traceback" not in result.stdout
 
 
@@ -785,6 +786,8 @@ def test_triton_on_a_cpu_without_the_interpreter_is_refused_before_anything_is_w
     (["--device=cuda"], "device='cuda' but torch sees no CUDA GPU; pass --device=cpu"),
     (["--attn=flex", "--doc_mask=true"], "--attn=flex: FlexAttention computes gradients on a CUDA GPU only, and this "
      "runs on cpu; use sdpa or naive there"),
+    (["--attn=cuda"], "--attn=cuda: the cuda attention kernels run on a CUDA GPU, and this runs on cpu; use a dense "
+     "backend such as sdpa there"),
 ])
 def test_the_wrong_machine_is_refused_in_one_line(tmp_path, data_dir, monkeypatch, capsys, flags, message):
     # in this process: Triton's interpreter read as off (TRITON_INTERPRET unset), CUDA as missing

@@ -1,0 +1,118 @@
+// The PyTorch side of the CUDA kernels: checks what the kernels assume, allocates the outputs, fills AttentionParams
+// and launches on the current stream. attention/cuda/__init__.py wraps forward and backward in an autograd.Function.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "flash_params.h"
+
+namespace {
+
+using nanoflash_cuda::AttentionParams;
+using nanoflash_cuda::Strides;
+
+Strides strides_of(const at::Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// what the kernels assume of a (B, H, T, D) tensor; the Python wrapper .contiguous()s the ones that are not so
+void check_layout(const at::Tensor &t, const char *name) {
+    TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+    TORCH_CHECK(t.dim() == 4, name, " must be (B, H, T, D)");
+    TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dim");
+    for (int d = 0; d < 3; ++d) TORCH_CHECK(t.stride(d) % 8 == 0, name, "'s strides must be multiples of 8 elements");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+AttentionParams make_params(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal, double scale) {
+    check_layout(q, "q");
+    check_layout(k, "k");
+    check_layout(v, "v");
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "the cuda kernels take float16 or bfloat16");
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "q, k, v must have one dtype");
+    const int64_t D = q.size(3);
+    TORCH_CHECK(D == 64 || D == 128, "the cuda kernels take head dim 64 or 128");
+    TORCH_CHECK(k.size(3) == D && v.size(3) == D, "q, k, v must have one head dim");
+    TORCH_CHECK(k.size(0) == q.size(0) && v.sizes() == k.sizes(), "k and v must be (B, Hkv, Tk, D) with q's B");
+    TORCH_CHECK(q.size(1) % k.size(1) == 0, "Hq must be a multiple of Hkv");
+    TORCH_CHECK(q.size(0) * q.size(1) <= 65535 && k.size(0) * k.size(1) <= 65535, "B * H must be at most 65535");
+
+    AttentionParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.q_stride = strides_of(q);
+    p.k_stride = strides_of(k);
+    p.v_stride = strides_of(v);
+    p.batch = static_cast<int>(q.size(0));
+    p.heads_q = static_cast<int>(q.size(1));
+    p.heads_kv = static_cast<int>(k.size(1));
+    p.seqlen_q = static_cast<int>(q.size(2));
+    p.seqlen_k = static_cast<int>(k.size(2));
+    p.head_dim = static_cast<int>(D);
+    p.scale = static_cast<float>(scale);
+    p.causal = causal;
+    p.bf16 = dtype == at::kBFloat16;
+    p.stream = c10::cuda::getCurrentCUDAStream().stream();
+    return p;
+}
+
+// -> (out (B, Hq, Tq, D), lse (B, Hq, Tq) float32 natural log, +inf for a row that sees no key)
+std::vector<at::Tensor> forward(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
+                                double scale) {
+    const c10::cuda::CUDAGuard guard(q.device());
+    AttentionParams p = make_params(q, k, v, causal, scale);
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    p.o = out.data_ptr();
+    p.o_stride = strides_of(out);
+    p.lse = lse.data_ptr<float>();
+    if (q.numel() > 0 && k.size(2) > 0) {
+        const cudaError_t err = nanoflash_cuda::flash_forward(p);
+        TORCH_CHECK(err == cudaSuccess, "cuda attention forward: ", cudaGetErrorString(err));
+    } else {
+        out.zero_();
+        lse.fill_(std::numeric_limits<float>::infinity());
+    }
+    return {out, lse};
+}
+
+// -> (dq, dk, dv) shaped like q, k, v
+std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                                 const at::Tensor &out, const at::Tensor &lse, bool causal, double scale) {
+    const c10::cuda::CUDAGuard guard(q.device());
+    AttentionParams p = make_params(q, k, v, causal, scale);
+    check_layout(dout, "dout");
+    check_layout(out, "out");
+    TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(), "dout must be like q");
+    TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "lse must be contiguous float32");
+    at::Tensor dq = at::empty(q.sizes(), q.options());
+    at::Tensor dk = at::empty(k.sizes(), k.options());
+    at::Tensor dv = at::empty(v.sizes(), v.options());
+    if (q.numel() == 0 || k.size(2) == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+    at::Tensor delta = at::empty(lse.sizes(), lse.options());
+    at::Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    p.o = const_cast<void *>(out.data_ptr());
+    p.o_stride = strides_of(out);
+    p.lse = const_cast<float *>(lse.data_ptr<float>());
+    p.dout = dout.data_ptr();
+    p.do_stride = strides_of(dout);
+    p.delta = delta.data_ptr<float>();
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq = dq.data_ptr();
+    p.dk = dk.data_ptr();
+    p.dv = dv.data_ptr();
+    p.dq_stride = strides_of(dq);
+    p.dk_stride = strides_of(dk);
+    p.dv_stride = strides_of(dv);
+    const cudaError_t err = nanoflash_cuda::flash_backward(p);
+    TORCH_CHECK(err == cudaSuccess, "cuda attention backward: ", cudaGetErrorString(err));
+    return {dq, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "nanoflash's CUDA FlashAttention-2 kernels (attention/cuda)";
+    m.def("forward", &forward, "attention forward -> (out, lse)");
+    m.def("backward", &backward, "attention backward -> (dq, dk, dv)");
+}

@@ -1,0 +1,281 @@
+// The backward pass (§4-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores, in three
+// kernels:
+//   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32;
+//   2. backward_kernel: one thread block per (key tile, batch, kv head) holds its K and V tile in shared memory and
+//      walks the query tiles of every query head of its group (§7), recomputing P from lse (§4); it accumulates dK
+//      and dV in registers and adds each tile's dQ share into a float32 buffer with atomics;
+//   3. dq_kernel: dQ = scale * that buffer, cast to the inputs' dtype.
+//
+// dQ by atomics, not by a separate pass: the block that holds a key tile already has dS for it, so dQ costs it one
+// more product (five per tile pair: S, dP, dV, dK, dQ). A separate dQ kernel, as the Triton kernels of §5 have, must
+// recompute S and dP (seven products) and load K and V once per query tile; in exchange it is deterministic. Here the
+// order of the float32 additions into dQ varies from run to run (the last bits of dQ do), and the scratch buffer
+// costs (B, Hq, Tq, D) float32 per call.
+#include <algorithm>
+#include <cmath>
+
+#include "flash_common.cuh"
+
+namespace nanoflash_cuda {
+namespace {
+
+// Tiles: 64 keys per block (4 warps x 16 keys, the M of one mma) and BM queries per step. dK and dV accumulate in
+// registers, 16 x D each per warp = D floats per thread, plus the S^T and dP^T tiles (BM / 2 floats each): BM = 64 at
+// D = 64 and BM = 32 at D = 128 keep that about within 255 registers (nvcc -Xptxas -v: 254-255 registers, no spill
+// at D = 64; 255 and a 12-16 byte spill at D = 128, on sm_80 and sm_90). Shared memory: K, V, two Q and two dO
+// buffers, the dS^T tile and lse / Delta: 57 KiB at D = 64, 68.5 KiB at D = 128.
+constexpr int BWD_BLOCK_N = 64, BWD_THREADS = 128;
+
+template <int D>
+__host__ __device__ constexpr int backward_block_m() {
+    return D == 64 ? 64 : 32;
+}
+
+template <int D>
+constexpr int backward_smem_bytes() {
+    constexpr int BM = backward_block_m<D>();
+    return (2 * BWD_BLOCK_N * D + 4 * BM * D + BWD_BLOCK_N * BM) * 2 + 4 * BM * 4;
+}
+
+// §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): one warp per query row
+template <typename T, int D>
+__global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.heads_q;
+    const int64_t b = row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q);
+    const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head + i * p.do_stride.row;
+    const T *out = static_cast<const T *>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + i * p.o_stride.row;
+    float sum = 0.f;
+#pragma unroll
+    for (int d = lane; d < D; d += 32) sum += Element<T>::to_float(dout[d]) * Element<T>::to_float(out[d]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) p.delta[row] = sum;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
+    constexpr int BN = BWD_BLOCK_N, BM = backward_block_m<D>();
+    using E = Element<T>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *s_k = reinterpret_cast<T *>(smem);
+    T *s_v = s_k + BN * D;
+    T *s_q = s_v + BN * D;       // two buffers of BM x D
+    T *s_do = s_q + 2 * BM * D;  // two buffers of BM x D
+    T *s_ds = s_do + 2 * BM * D;  // dS^T, BN x BM
+    float *s_lse = reinterpret_cast<float *>(s_ds + BN * BM);  // two buffers of BM, base 2 (§8)
+    float *s_delta = s_lse + 2 * BM;                             // two buffers of BM
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int n0 = blockIdx.x * BN;
+    const int b = blockIdx.y / p.heads_kv, h_kv = blockIdx.y % p.heads_kv;
+    const int group = p.heads_q / p.heads_kv;  // §7: query heads h_kv * G ... h_kv * G + G - 1 read this kv head
+    const int Tq = p.seqlen_q, Tk = p.seqlen_k, shift = Tk - Tq;
+
+    const T *k = static_cast<const T *>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
+    const T *v = static_cast<const T *>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+    load_tile_async<T, BN, D, BWD_THREADS>(s_k, k, p.k_stride.row, n0, Tk, tid);
+    load_tile_async<T, BN, D, BWD_THREADS>(s_v, v, p.v_stride.row, n0, Tk, tid);
+
+    // §6 (the transposed view): query tiles before the first query that sees key n0 are skipped
+    const int first_query = p.causal ? max(0, n0 - shift) : 0;
+    const int m_first = (first_query / BM) * BM;
+    const int m_tiles = first_query < Tq ? (Tq - m_first + BM - 1) / BM : 0;
+    const int steps = group * m_tiles;  // §7: every query head of the group, one after the other
+
+    // step -> (query head, first query row) and the asynchronous loads of its Q and dO tiles into buffer buf
+    auto head_of = [&](int step) { return h_kv * group + step / m_tiles; };
+    auto row_of = [&](int step) { return m_first + (step % m_tiles) * BM; };
+    auto issue = [&](int step, int buf) {
+        const int h = head_of(step), m0 = row_of(step);
+        const T *q = static_cast<const T *>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+        const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head;
+        load_tile_async<T, BM, D, BWD_THREADS>(s_q + buf * BM * D, q, p.q_stride.row, m0, Tq, tid);
+        load_tile_async<T, BM, D, BWD_THREADS>(s_do + buf * BM * D, dout, p.do_stride.row, m0, Tq, tid);
+    };
+    if (steps > 0) issue(0, 0);
+    cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
+
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // the warp's 16 keys x D
+    const float scale_log2 = p.scale * LOG2E;   // §8 exp2
+
+    // dQ: warp w computes query rows (w % ROW_BLOCKS) * 16 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
+    constexpr int ROW_BLOCKS = BM / 16, DQ_COLS = D * ROW_BLOCKS / 4;
+    const int dq_row = (warp % ROW_BLOCKS) * 16, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
+
+    for (int step = 0; step < steps; ++step) {
+        const int buf = step & 1, h = head_of(step), m0 = row_of(step);
+        const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * Tq;  // of lse, Delta, dq_accum rows
+        // §4 lse (to base 2, §8) and §5 Delta of the step's rows; a row past Tq gets lse = +inf, so its P is 0
+        if (tid < BM) {
+            const int row = m0 + tid;
+            s_lse[buf * BM + tid] = row < Tq ? p.lse[row_base + row] * LOG2E : INFINITY;
+            s_delta[buf * BM + tid] = row < Tq ? p.delta[row_base + row] : 0.f;
+        }
+        // double buffering (the num_stages = 2 of §9): the next step's Q and dO are in flight while this one computes
+        if (step + 1 < steps) {
+            issue(step + 1, buf ^ 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T *q_tile = s_q + buf * BM * D, *do_tile = s_do + buf * BM * D;
+        const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
+
+        // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, 16 keys x BM queries per warp
+        float st[BM / 8][4] = {}, dpt[BM / 8][4] = {};
+#pragma unroll 2
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t ak[4], av[4];
+            ldmatrix_x4(ak, a_pattern<D>(s_k, warp * 16, kk * 16, lane));
+            ldmatrix_x4(av, a_pattern<D>(s_v, warp * 16, kk * 16, lane));
+#pragma unroll
+            for (int nb = 0; nb < BM / 16; ++nb) {
+                uint32_t bq[4], bo[4];
+                ldmatrix_x4(bq, b_pattern<D>(q_tile, nb * 16, kk * 16, lane));
+                E::mma(st[2 * nb], ak, bq[0], bq[1]);
+                E::mma(st[2 * nb + 1], ak, bq[2], bq[3]);
+                ldmatrix_x4(bo, b_pattern<D>(do_tile, nb * 16, kk * 16, lane));
+                E::mma(dpt[2 * nb], av, bo[0], bo[1]);
+                E::mma(dpt[2 * nb + 1], av, bo[2], bo[3]);
+            }
+        }
+
+        // §4: P^T = exp2(S^T * scale * log2(e) - lse); §6: masked only where the tiles straddle the diagonal or the
+        // key tile is ragged; §5: dS^T = P^T o (dP^T - Delta)
+        const bool masked = n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift);
+#pragma unroll
+        for (int nb = 0; nb < BM / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nb * 8 + 2 * t + (e % 2), key = n0 + warp * 16 + g + (e / 2) * 8;
+                float prob = fast_exp2(fmaf(st[nb][e], scale_log2, -lse[col]));
+                if (masked && !visible(m0 + col, key, Tq, Tk, p.causal)) prob = 0.f;
+                st[nb][e] = prob;
+                dpt[nb][e] = prob * (dpt[nb][e] - delta[col]);
+            }
+        }
+
+        // §5 dV += P^T dO and dK += dS^T Q (the scale comes once, at the store): the C tiles of P^T and dS^T are
+        // A fragments (flash_common.cuh); dO and Q (queries x D, k x n) are read with .trans as B
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            const uint32_t ap[4] = {E::pack(st[2 * kk][0], st[2 * kk][1]), E::pack(st[2 * kk][2], st[2 * kk][3]),
+                                    E::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                    E::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+            const uint32_t ads[4] = {E::pack(dpt[2 * kk][0], dpt[2 * kk][1]), E::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                     E::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                     E::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+            for (int dn = 0; dn < D / 16; ++dn) {
+                uint32_t bo[4], bq[4];
+                ldmatrix_x4_trans(bo, a_pattern<D>(do_tile, kk * 16, dn * 16, lane));
+                E::mma(dv[2 * dn], ap, bo[0], bo[1]);
+                E::mma(dv[2 * dn + 1], ap, bo[2], bo[3]);
+                ldmatrix_x4_trans(bq, a_pattern<D>(q_tile, kk * 16, dn * 16, lane));
+                E::mma(dk[2 * dn], ads, bq[0], bq[1]);
+                E::mma(dk[2 * dn + 1], ads, bq[2], bq[3]);
+            }
+            // dS^T to shared memory (keys x queries), for the dQ product below, which needs all 64 keys
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    *reinterpret_cast<uint32_t *>(
+                        s_ds + swizzle<BM>(warp * 16 + g + 8 * r, (2 * kk + half) * 8 + 2 * t)) = ads[2 * half + r];
+        }
+        __syncthreads();
+
+        // §5 dQ += dS K: A = dS = (dS^T)^T read with .trans from the keys x queries tile, B = K (keys x D) with
+        // .trans; the 16 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file)
+        float dq[DQ_COLS / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4_trans(a, b_pattern<BM>(s_ds, kk * 16, dq_row, lane));
+#pragma unroll
+            for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
+                uint32_t bk[4];
+                ldmatrix_x4_trans(bk, a_pattern<D>(s_k, kk * 16, dq_col + dn * 16, lane));
+                E::mma(dq[2 * dn], a, bk[0], bk[1]);
+                E::mma(dq[2 * dn + 1], a, bk[2], bk[3]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + dq_row + g + 8 * r;
+            if (row >= Tq) continue;
+            float *dq_accum = p.dq_accum + (row_base + row) * D + dq_col + 2 * t;
+#pragma unroll
+            for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+                atomicAdd(dq_accum + dn * 8, dq[dn][2 * r]);
+                atomicAdd(dq_accum + dn * 8 + 1, dq[dn][2 * r + 1]);
+            }
+        }
+        __syncthreads();  // buffer buf and dS^T are overwritten by the next steps
+    }
+    cp_async_wait<0>();  // no step: K and V's copies are still owed
+
+    // dK = scale * dS^T Q (§5) and dV, summed over the group's query heads (§7), for keys < Tk
+    T *dk_out = static_cast<T *>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
+    T *dv_out = static_cast<T *>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = n0 + warp * 16 + g + 8 * r;
+        if (key >= Tk) continue;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+            *reinterpret_cast<uint32_t *>(dk_out + key * p.dk_stride.row + dn * 8 + 2 * t) =
+                E::pack(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
+            *reinterpret_cast<uint32_t *>(dv_out + key * p.dv_stride.row + dn * 8 + 2 * t) =
+                E::pack(dv[dn][2 * r], dv[dn][2 * r + 1]);
+        }
+    }
+}
+
+// dQ = scale * dq_accum (§5: the scale applied once), in the inputs' dtype
+template <typename T, int D>
+__global__ void dq_kernel(const AttentionParams p) {
+    const int64_t n = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q * D;
+    for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+         idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int d = idx % D;
+        const int64_t row = idx / D;
+        const int i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.heads_q;
+        const int64_t b = row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q);
+        T *dq = static_cast<T *>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.row + d;
+        *dq = Element<T>::from_float(p.dq_accum[idx] * p.scale);
+    }
+}
+
+template <typename T, int D>
+cudaError_t launch_backward(const AttentionParams &p) {
+    const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+    delta_kernel<T, D><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, p.stream>>>(p);
+
+    constexpr int smem = backward_smem_bytes<D>();
+    auto kernel = backward_kernel<T, D>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
+    kernel<<<grid, BWD_THREADS, smem, p.stream>>>(p);
+
+    const int64_t blocks = std::min<int64_t>((rows * D + 255) / 256, 65536);
+    dq_kernel<T, D><<<static_cast<unsigned>(blocks), 256, 0, p.stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t flash_backward(const AttentionParams &p) {
+    if (p.bf16)
+        return p.head_dim == 64 ? launch_backward<__nv_bfloat16, 64>(p) : launch_backward<__nv_bfloat16, 128>(p);
+    return p.head_dim == 64 ? launch_backward<__half, 64>(p) : launch_backward<__half, 128>(p);
+}
+
+}  // namespace nanoflash_cuda

@@ -1,0 +1,188 @@
+// Building blocks shared by flash_forward.cu and flash_backward.cu: tensor-core products (mma.sync m16n8k16),
+// shared-memory tiles in a bank-conflict-free swizzled layout read with ldmatrix, asynchronous global->shared copies
+// (cp.async) and the fp16/bf16 packing. Section numbers (§N) refer to docs/flash_attention.md.
+//
+// Fragment layouts of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"), for lane = 32-thread lane id,
+// g = lane / 4 (the "group") and t = lane % 4 (the thread in the group):
+//   A (16 x 16, row-major): a[0] = A[g][2t..2t+1], a[1] = A[g+8][2t..2t+1], a[2] = A[g][2t+8..], a[3] = A[g+8][2t+8..]
+//   B (16 x 8, k x n):      b[0] = B[2t..2t+1][g], b[1] = B[2t+8..2t+9][g]
+//   C (16 x 8, fp32):       c[0..1] = C[g][2t..2t+1], c[2..3] = C[g+8][2t..2t+1]
+// Two C tiles side by side (16 x 16) hold exactly the values of one A fragment: that is how a score tile computed by
+// one product becomes, after the softmax, the left operand of the next product without leaving registers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "flash_params.h"
+
+namespace nanoflash_cuda {
+
+constexpr float LOG2E = 1.4426950408889634f;  // §8: exp(x) = exp2(x * log2(e))
+constexpr float LN2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------------------------------------------------------------
+// fp16 / bf16: two values in one 32-bit register, and the tensor-core product of each
+
+template <typename T>
+struct Element;
+
+template <>
+struct Element<__half> {
+    // explicit conversions: torch's extension build defines __CUDA_NO_HALF_CONVERSIONS__ (no implicit ones)
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+    // C += A B, fp16 inputs, fp32 accumulation (§8 precision)
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+template <>
+struct Element<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t *>(&h);
+    }
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Shared-memory tiles: ROWS x COLS elements, row-major, each row cut in 16-byte chunks of 8 elements whose order is
+// XOR-swizzled by the row number.
+//
+// Why: shared memory has 32 banks of 4 bytes; one ldmatrix phase reads 8 rows x 16 bytes at the same column. With
+// rows 128 or 256 bytes long every row starts in bank 0, so unswizzled those 8 reads would all fall in the same 4
+// banks (an 8-way conflict). Storing logical chunk c of row r at chunk c ^ (r % 8) spreads 8 consecutive rows over 8
+// different chunks = all 32 banks. A 64-byte row (4 chunks; two rows per 128-byte bank line) XORs with (r / 2) % 4
+// instead, which again gives 8 distinct 16-byte bank groups for 8 consecutive rows. Writers (cp.async, 16 bytes per
+// thread, or 4-byte fragment stores) hit distinct banks the same way.
+template <int COLS>
+__device__ __forceinline__ int swizzle(int row, int col) {
+    constexpr int CHUNKS = COLS / 8;
+    static_assert(COLS % 32 == 0, "rows of 4, 8, 16... 16-byte chunks");
+    int chunk = col / 8;
+    if constexpr (CHUNKS >= 8) {
+        chunk ^= row & 7;
+    } else {
+        chunk ^= (row / (8 / CHUNKS)) & (CHUNKS - 1);
+    }
+    return row * COLS + chunk * 8 + (col % 8);
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void *ptr) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// ldmatrix: four 8x8 matrices of 16-bit elements; lane L gives the address of row L % 8 of matrix L / 8 and receives
+// in r[j] its part of matrix j (in the C-fragment layout above: row g, columns 2t..2t+1). .trans transposes each
+// 8x8 matrix on the way, which turns a k x n row-major tile into the B operand (n-major) without a transposed copy.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// Where lane L points, for the two ways a 16 x 16 block at (row0, col0) of a tile is read with one ldmatrix_x4:
+//  * a_pattern: matrices (rows +0, cols +0), (+8, +0), (+0, +8), (+8, +8) -> r = an A fragment (no .trans), or with
+//    .trans of a k x n tile the B fragments of two n-blocks of 8: (r[0], r[1]) for cols +0..7, (r[2], r[3]) +8..15;
+//  * b_pattern: matrices (+0, +0), (+0, +8), (+8, +0), (+8, +8) -> of an n x k tile (B transposed, e.g. K for Q K^T)
+//    the B fragments of two n-blocks: (r[0], r[1]) rows +0..7, (r[2], r[3]) rows +8..15; with .trans of a k x m tile
+//    (A transposed) the A fragment of A = tile^T.
+template <int COLS>
+__device__ __forceinline__ uint32_t a_pattern(const void *tile, int row0, int col0, int lane) {
+    const int row = row0 + (lane & 15), col = col0 + (lane >> 4) * 8;
+    return smem_address(static_cast<const uint16_t *>(tile) + swizzle<COLS>(row, col));
+}
+
+template <int COLS>
+__device__ __forceinline__ uint32_t b_pattern(const void *tile, int row0, int col0, int lane) {
+    const int row = row0 + (lane & 7) + (lane >> 4) * 8, col = col0 + ((lane >> 3) & 1) * 8;
+    return smem_address(static_cast<const uint16_t *>(tile) + swizzle<COLS>(row, col));
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// cp.async: global -> shared copies that run while the warps compute (double buffering: §9's num_stages = 2)
+
+// 16 bytes from src to dst; with valid false nothing is read and dst gets zeros (a row past the end of the sequence).
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// wait until at most N of this thread's committed copy groups are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Rows [row0, row0 + ROWS) of a (T, COLS) matrix whose rows are row_stride elements apart, into a swizzled ROWS x
+// COLS tile; rows >= seqlen become zeros (§6 ragged last tile). Issued by all THREADS threads, 16 bytes each.
+template <typename T, int ROWS, int COLS, int THREADS>
+__device__ __forceinline__ void load_tile_async(T *tile, const T *base, int64_t row_stride, int row0, int seqlen,
+                                                int tid) {
+    constexpr int CHUNKS = COLS / 8;
+    static_assert((ROWS * CHUNKS) % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+        const int chunk = tid + i * THREADS, row = chunk / CHUNKS, col = (chunk % CHUNKS) * 8;
+        const bool valid = row0 + row < seqlen;
+        const T *src = valid ? base + (row0 + row) * row_stride + col : base;
+        cp_async_16(tile + swizzle<COLS>(row, col), src, valid);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// math
+
+// 2^x in one instruction (§8 exp2). ex2.approx(-inf) = +0, which masked scores rely on. Called by name instead of
+// compiling with --use_fast_math, which would also change every division and square root of the kernels.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// the 4 threads of a group (t = 0..3) hold parts of the same two rows of a C fragment: reduce across them
+__device__ __forceinline__ float group_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float group_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// §6: bottom-right aligned causal rule, the one place it is written for these kernels
+__device__ __forceinline__ bool visible(int query, int key, int seqlen_q, int seqlen_k, bool causal) {
+    return key < seqlen_k && (!causal || key <= query + seqlen_k - seqlen_q);
+}
+
+}  // namespace nanoflash_cuda

@@ -1,0 +1,188 @@
+// The forward pass (§2-§4, §6-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores:
+// one thread block per (query tile, batch, head), 4 warps of 16 query rows each, walking the key tiles with K and V
+// double-buffered in shared memory.
+#include <cmath>
+
+#include "flash_common.cuh"
+
+namespace nanoflash_cuda {
+namespace {
+
+// Tiles: 64 query rows (4 warps x 16, the M of one mma) by 64 keys, for both head dims. Shared memory: Q plus two K
+// and two V buffers, (64 + 4 * 64) * D * 2 bytes = 40 KiB at D = 64, 80 KiB at D = 128 (two blocks per SM on A100
+// and H100). Registers per thread: the output accumulator 16 x D / 32 = D / 2 floats plus 32 for the score tile.
+constexpr int FWD_BLOCK_M = 64, FWD_BLOCK_N = 64, FWD_THREADS = 128;
+
+template <int D>
+constexpr int forward_smem_bytes() {
+    return (FWD_BLOCK_M + 4 * FWD_BLOCK_N) * D * 2;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionParams p) {
+    constexpr int BM = FWD_BLOCK_M, BN = FWD_BLOCK_N;
+    using E = Element<T>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    T *s_q = reinterpret_cast<T *>(smem);
+    T *s_k = s_q + BM * D;      // two buffers of BN x D
+    T *s_v = s_k + 2 * BN * D;  // two buffers of BN x D
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    // §3 grid (query tiles, B * Hq); the tiles that see the most keys (the last ones, causal) start first
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int bh = blockIdx.y, b = bh / p.heads_q, h = bh % p.heads_q;
+    const int h_kv = h / (p.heads_q / p.heads_kv);  // §7: query head h reads kv head h / G
+    const int Tq = p.seqlen_q, Tk = p.seqlen_k;
+
+    const T *q = static_cast<const T *>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+    const T *k = static_cast<const T *>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
+    const T *v = static_cast<const T *>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+    T *o = static_cast<T *>(p.o) + b * p.o_stride.batch + h * p.o_stride.head;
+
+    // §6: keys past the tile's last query's last visible key are never loaded
+    const int key_end = p.causal ? min(Tk, m0 + BM + Tk - Tq) : Tk;
+    const int n_tiles = key_end > 0 ? (key_end + BN - 1) / BN : 0;
+
+    // §3: the Q tile is loaded once; K and V tile 0 come in the same copy group
+    load_tile_async<T, BM, D, FWD_THREADS>(s_q, q, p.q_stride.row, m0, Tq, tid);
+    if (n_tiles > 0) {
+        load_tile_async<T, BN, D, FWD_THREADS>(s_k, k, p.k_stride.row, 0, Tk, tid);
+        load_tile_async<T, BN, D, FWD_THREADS>(s_v, v, p.v_stride.row, 0, Tk, tid);
+    }
+    cp_async_commit();
+
+    // §2: per thread, rows g and g + 8 of the warp's 16: running max m (base 2, §8), partial sum l over this thread's
+    // columns (the group's 4 partial sums are added at the end), and the output accumulator a (16 x D per warp)
+    float acc[D / 8][4] = {};
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    const float scale_log2 = p.scale * LOG2E;  // §8 exp2: log2(e) folded into the scale once
+
+    for (int j = 0; j < n_tiles; ++j) {
+        const int buf = j & 1, n0 = j * BN;
+        // double buffering (the num_stages = 2 of §9): tile j + 1's copies are issued before tile j is computed
+        if (j + 1 < n_tiles) {
+            load_tile_async<T, BN, D, FWD_THREADS>(s_k + (buf ^ 1) * BN * D, k, p.k_stride.row, n0 + BN, Tk, tid);
+            load_tile_async<T, BN, D, FWD_THREADS>(s_v + (buf ^ 1) * BN * D, v, p.v_stride.row, n0 + BN, Tk, tid);
+            cp_async_commit();
+            cp_async_wait<1>();  // tile j (and Q) landed, tile j + 1 may still be in flight
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T *k_tile = s_k + buf * BN * D, *v_tile = s_v + buf * BN * D;
+
+        // §3 the score tile S = Q K^T, 16 x BN per warp, fp32 accumulation
+        float s[BN / 8][4] = {};
+#pragma unroll 2  // unrolled fully, ptxas hoists all of K's fragments at D = 128 and spills (nvcc -Xptxas -v)
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4(a, a_pattern<D>(s_q, warp * 16, kk * 16, lane));
+#pragma unroll
+            for (int nb = 0; nb < BN / 16; ++nb) {
+                uint32_t bk[4];
+                ldmatrix_x4(bk, b_pattern<D>(k_tile, nb * 16, kk * 16, lane));
+                E::mma(s[2 * nb], a, bk[0], bk[1]);
+                E::mma(s[2 * nb + 1], a, bk[2], bk[3]);
+            }
+        }
+
+        // §8 exp2: scores in base 2 (scaled before masking, so that a negative scale cannot turn -inf into +inf)
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nb][e] *= scale_log2;
+        // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
+        if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + warp * 16 + g + (e / 2) * 8, col = n0 + nb * 8 + 2 * t + (e % 2);
+                    if (!visible(row, col, Tq, Tk, p.causal)) s[nb][e] = -INFINITY;
+                }
+            }
+        }
+
+        // §2 online softmax, §8 exp2, for the thread's two rows
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m_new = m_run[r];
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb)
+                m_new = fmaxf(m_new, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            m_new = group_max(m_new);
+            // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes both p and
+            // alpha exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
+            const float m_sub = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = fast_exp2(m_run[r] - m_sub);
+            m_run[r] = m_new;
+            l_run[r] *= alpha;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                acc[dn][2 * r] *= alpha;
+                acc[dn][2 * r + 1] *= alpha;
+            }
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    s[nb][e] = fast_exp2(s[nb][e] - m_sub);
+                    l_run[r] += s[nb][e];
+                }
+            }
+        }
+
+        // §3 a += P V: two C tiles of P are one A fragment (flash_common.cuh), cast to the inputs' dtype (§8)
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint32_t a[4] = {E::pack(s[2 * kk][0], s[2 * kk][1]), E::pack(s[2 * kk][2], s[2 * kk][3]),
+                                   E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dn = 0; dn < D / 16; ++dn) {
+                uint32_t bv[4];
+                ldmatrix_x4_trans(bv, a_pattern<D>(v_tile, kk * 16, dn * 16, lane));
+                E::mma(acc[2 * dn], a, bv[0], bv[1]);
+                E::mma(acc[2 * dn + 1], a, bv[2], bv[3]);
+            }
+        }
+        __syncthreads();  // every warp is done with buffer buf before iteration j + 1 refills it
+    }
+    cp_async_wait<0>();  // no tile: the Q copy is still owed
+
+    // §4 the end: O = a / l (0 for a row that saw no key, §8) and lse = m + log2(l), stored in natural log
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = group_sum(l_run[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = m0 + warp * 16 + g + 8 * r;
+        if (row >= Tq) continue;
+        T *o_row = o + row * p.o_stride.row;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn)
+            *reinterpret_cast<uint32_t *>(o_row + dn * 8 + 2 * t) =
+                E::pack(acc[dn][2 * r] * inv, acc[dn][2 * r + 1] * inv);
+        // §8: +inf for a row that sees no key, so that the backward's P = exp(s - lse) is 0 there
+        if (t == 0) p.lse[static_cast<int64_t>(bh) * Tq + row] = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : INFINITY;
+    }
+}
+
+template <typename T, int D>
+cudaError_t launch_forward(const AttentionParams &p) {
+    constexpr int smem = forward_smem_bytes<D>();
+    auto kernel = forward_kernel<T, D>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    const dim3 grid((p.seqlen_q + FWD_BLOCK_M - 1) / FWD_BLOCK_M, p.batch * p.heads_q);
+    kernel<<<grid, FWD_THREADS, smem, p.stream>>>(p);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t flash_forward(const AttentionParams &p) {
+    if (p.bf16) return p.head_dim == 64 ? launch_forward<__nv_bfloat16, 64>(p) : launch_forward<__nv_bfloat16, 128>(p);
+    return p.head_dim == 64 ? launch_forward<__half, 64>(p) : launch_forward<__half, 128>(p);
+}
+
+}  // namespace nanoflash_cuda

@@ -1,0 +1,213 @@
+"""backend="cuda": the CUDA C++ FlashAttention-2 kernels of attention/cuda.
+
+On the CPU (CI): the backend is registered, refuses a machine that cannot run or build it in one line naming what is
+missing, and `import attention` does not pull in the compiler tooling. On a GPU (marked gpu, skipped without one):
+the output and every gradient against float64 by the criterion of helpers.py, at ragged and odd lengths, Tq != Tk,
+GQA, both head dims, both dtypes, causal or not; the first call's build time is printed.
+"""
+import ast
+import itertools
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, assert_matches_fp64, out_and_grads, projection_views, qkv
+
+from attention import attention, available_backends, get_backend
+from attention.cuda import build
+from attention.cuda.build import CudaBackendUnavailable
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU
+
+
+def test_cuda_is_a_registered_backend_without_masks_or_terms():
+    assert "cuda" in available_backends()
+    spec = get_backend("cuda")
+    assert not spec.supports_masks and spec.varlen is None and spec.terms == frozenset() and spec.exact
+    assert spec.check_device is not None
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_a_cpu_tensor_is_refused_in_one_line():
+    q, k, v = qkv(1, 2, 2, 16, 16, 64)
+    with pytest.raises(CudaBackendUnavailable) as err:
+        attention(q, k, v, backend="cuda")
+    assert isinstance(err.value, ValueError)  # what train.py's device check turns into one line
+    assert _one_line(err) == ("the cuda attention kernels run on a CUDA GPU, and this runs on cpu; use a dense backend "
+                              "such as sdpa there")
+    with pytest.raises(CudaBackendUnavailable):
+        get_backend("cuda").check_device(torch.device("cpu"))
+
+
+@pytest.fixture
+def a_gpu_machine(monkeypatch):
+    """This process as seen on an sm_90 machine with a CUDA build of torch, nvcc and ninja: tests take one away."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(build, "find_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(build, "_which", lambda tool: f"/usr/bin/{tool}")
+
+
+def test_a_full_machine_passes_the_check(a_gpu_machine):
+    build.check_cuda_device(torch.device("cuda"))
+
+
+def test_missing_nvcc_is_named(a_gpu_machine, monkeypatch):
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(CudaBackendUnavailable) as err:
+        build.check_cuda_device(torch.device("cuda"))
+    message = _one_line(err)
+    assert "needs nvcc" in message and "install the CUDA toolkit 12.8" in message and "CUDA_HOME" in message
+
+
+def test_missing_ninja_is_named(a_gpu_machine, monkeypatch):
+    monkeypatch.setattr(build, "_which", lambda tool: None if tool == "ninja" else f"/usr/bin/{tool}")
+    with pytest.raises(CudaBackendUnavailable) as err:
+        build.check_cuda_device(torch.device("cuda"))
+    assert "ninja, which is not on PATH; pip install ninja" in _one_line(err)
+
+
+def test_a_cpu_only_torch_is_named(a_gpu_machine, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(CudaBackendUnavailable) as err:
+        build.check_cuda_device(torch.device("cuda"))
+    assert "needs a CUDA build of PyTorch" in _one_line(err)
+
+
+def test_a_gpu_before_ampere_is_named(a_gpu_machine, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(CudaBackendUnavailable) as err:
+        build.check_cuda_device(torch.device("cuda"))
+    assert "need an sm_80 or newer GPU" in _one_line(err) and "sm_75" in str(err.value)
+
+
+def test_only_a_call_imports_the_extension_builder():
+    # every module of the package, read: torch.utils.cpp_extension is imported inside a function only (build.py's
+    # _load), never when a module is imported
+    for path in sorted((ROOT / "attention").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level (including under if / try at module level)
+            for inner in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
+                if isinstance(inner, ast.ImportFrom) and inner.module and "cpp_extension" in inner.module:
+                    pytest.fail(f"{path.relative_to(ROOT)} imports {inner.module} at import time")
+                if isinstance(inner, ast.Import) and any("cpp_extension" in a.name for a in inner.names):
+                    pytest.fail(f"{path.relative_to(ROOT)} imports cpp_extension at import time")
+                if isinstance(inner, ast.ImportFrom) and inner.module == "torch.utils" and any(
+                        a.name == "cpp_extension" for a in inner.names):
+                    pytest.fail(f"{path.relative_to(ROOT)} imports cpp_extension at import time")
+    assert "torch.utils.cpp_extension" in (ROOT / "attention" / "cuda" / "build.py").read_text()
+
+
+@pytest.mark.slow  # a fresh interpreter's `import attention`: about 5 s of this test's 6 on a CPU machine
+def test_importing_attention_needs_no_compiler():
+    # a fresh process: importing the package (and the cuda backend's Python side) must not import the extension
+    # builder, let alone build anything
+    code = ("import sys, attention, attention.cuda; "
+            "assert 'torch.utils.cpp_extension' not in sys.modules, 'cpp_extension imported'; "
+            "assert not attention.cuda.build.build_seconds")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
+    from attention.cuda import _kernel_layout
+
+    q, k, v = projection_views(2, 37, 4, 64)  # views of one projection: strides multiples of 8, last dim contiguous
+    assert _kernel_layout(q) is q
+    strided = torch.randn(1, 2, 37, 128)[..., ::2]  # last dim not contiguous
+    assert _kernel_layout(strided).is_contiguous()
+    odd = torch.randn(1 * 2 * 37 * 64 + 1)[1:].view(1, 2, 37, 64)  # contiguous, 2 bytes past 16-byte alignment
+    fixed = _kernel_layout(odd)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+
+gpu = pytest.mark.gpu
+LENGTHS = [(1, 1), (77, 77), (113, 203), (203, 113), (1023, 1024), (1024, 1024)]  # Tq > Tk: rows that see no key
+
+
+@gpu
+def test_first_call_builds_the_extension(capsys):
+    start = build.build_seconds.copy()
+    module = build.load_extension(torch.device("cuda"))
+    assert hasattr(module, "forward") and hasattr(module, "backward")
+    capability = torch.cuda.get_device_capability()
+    with capsys.disabled():
+        took = build.build_seconds[capability]
+        print(f"\ncuda attention extension for sm_{capability[0]}{capability[1]}: "
+              f"{'built or loaded from the cache' if capability not in start else 'already loaded'} in {took:.1f} s")
+
+
+@gpu
+@pytest.mark.parametrize("Tq, Tk", LENGTHS)
+@pytest.mark.parametrize("D, dtype, causal", list(itertools.product((64, 128), (torch.float16, torch.bfloat16),
+                                                                    (True, False))))
+def test_matches_fp64(Tq, Tk, D, dtype, causal):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(2, 4, 2, Tq, Tk, D, dtype, device="cuda"), causal=causal, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("Hq, Hkv", [(4, 4), (8, 1), (6, 3)])  # MHA, MQA, a group of 2
+@pytest.mark.parametrize("D", [64, 128])
+def test_grouped_query_heads(Hq, Hkv, D):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(2, Hq, Hkv, 333, 333, D, torch.bfloat16, device="cuda"), causal=True, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+def test_custom_scale(scale):
+    torch.manual_seed(0)
+    assert_matches_fp64(*qkv(1, 2, 2, 300, 300, 64, torch.float16, device="cuda"), causal=True, scale=scale,
+                        backend="cuda")
+
+
+@gpu
+def test_views_of_a_fused_projection():
+    torch.manual_seed(0)
+    q, k, v = projection_views(2, 1000, 6, 128, torch.bfloat16, "cuda")
+    assert_matches_fp64(q, k, v, causal=True, backend="cuda")
+
+
+@gpu
+def test_inputs_off_alignment_and_strided_upstream_gradient():
+    torch.manual_seed(0)
+    aligned = qkv(1, 4, 2, 257, 257, 64, torch.float16, device="cuda")
+    shifted = [torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].view_as(t).copy_(t) for t in aligned]
+    assert_matches_fp64(*shifted, causal=True, backend="cuda")
+    do = torch.randn(1, 257, 4, 64, dtype=torch.float16, device="cuda").transpose(1, 2)  # not contiguous
+    ours = out_and_grads(lambda *t: attention(*t, backend="cuda"), *aligned, do)
+    theirs = out_and_grads(lambda *t: attention(*t, backend="sdpa"), *aligned, do)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_rows_that_see_no_key_are_zero_with_finite_gradients():
+    torch.manual_seed(0)
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 200, 50, 64, torch.bfloat16, device="cuda"))
+    out = attention(q, k, v, causal=True, backend="cuda")
+    out.float().square().sum().backward()
+    assert torch.equal(out[:, :, :150], torch.zeros_like(out[:, :, :150]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(q.grad[:, :, :150], torch.zeros_like(q.grad[:, :, :150]))
+
+
+@gpu
+def test_unsupported_inputs_are_refused_in_one_line():
+    q, k, v = qkv(1, 2, 2, 16, 16, 64, torch.float32, device="cuda")
+    with pytest.raises(TypeError, match="float16 and bfloat16"):
+        attention(q, k, v, backend="cuda")
+    q, k, v = qkv(1, 2, 2, 16, 16, 96, torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="head dim 64 or 128, got 96"):
+        attention(q, k, v, backend="cuda")
