@@ -146,6 +146,7 @@ BACKENDS = {
     "sdpa-efficient": forced_sdpa_backend,
     "flex": flex_backend,
     "triton": registry_backend,  # ours
+    "cuda": registry_backend,  # ours in CUDA C++ (attention/cuda/), built on its first call
 }
 DEFAULT_BACKENDS = {"cuda": list(BACKENDS), "cpu": ["naive", "compile", "sdpa"]}
 

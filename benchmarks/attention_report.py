@@ -18,7 +18,8 @@ from benchmarks.report import fmt, markdown_table, pyplot, save_png, write_csv
 
 PASS_TITLES = {"fwd": "Forward", "bwd": "Backward", "fwd+bwd": "Forward + backward"}
 SHAPE_KEYS = ("B", "nh", "T", "hs", "causal")
-OURS = "triton"
+OURS = ("triton", "cuda")  # the project's own kernels: each gets a speed-up table
+TUNED = "triton"  # the backend whose tuner choices the runs record
 
 
 def shape_of(row: dict) -> tuple:
@@ -54,12 +55,12 @@ class Results:
         rows = [[*map(str, shape)] + [cell(self.get(b, shape, pass_), key) for b in self.backends] for shape in self.shapes]
         return markdown_table([*SHAPE_KEYS, *self.backends], rows)
 
-    def speedup_table(self, pass_: str) -> str:
-        """Our kernel's speed-up over each backend: that backend's time / triton's time."""
-        others = [b for b in self.backends if b != OURS]
+    def speedup_table(self, pass_: str, ours_name: str) -> str:
+        """One of our kernels' speed-up over each other backend: that backend's time / ours."""
+        others = [b for b in self.backends if b != ours_name]
         rows = []
         for shape in self.shapes:
-            ours = self.get(OURS, shape, pass_)
+            ours = self.get(ours_name, shape, pass_)
             row = [*map(str, shape)]
             for b in others:
                 theirs = self.get(b, shape, pass_)
@@ -70,7 +71,7 @@ class Results:
 
     def tuner_table(self) -> str | None:
         """Our kernels' tuner choices per shape (benchmarks/attention.py records them), or None if none were."""
-        choices = {shape_of(r): r["tuner"] for r in self.rows if r["backend"] == OURS and r.get("tuner")}
+        choices = {shape_of(r): r["tuner"] for r in self.rows if r["backend"] == TUNED and r.get("tuner")}
         if not choices:
             return None
         kernels = unique(kernel for chosen in choices.values() for kernel in chosen)
@@ -125,13 +126,13 @@ def markdown(res: Results) -> str:
         title = PASS_TITLES[pass_]
         out += [f"## {title}: TFLOP/s\n", res.value_table(pass_, "tflops")]
         out += [f"## {title}: ms\n", res.value_table(pass_, "ms")]
-        if OURS in res.backends:
-            out += [f"## {title}: {OURS} speed-up (backend's time / {OURS}'s time)\n", res.speedup_table(pass_)]
+        for ours in (b for b in OURS if b in res.backends):
+            out += [f"## {title}: {ours} speed-up (backend's time / {ours}'s time)\n", res.speedup_table(pass_, ours)]
     if "fwd+bwd" in res.passes and res.env["device"] == "cuda":
         out += ["## Peak memory of forward + backward, GiB beyond the inputs\n", res.value_table("fwd+bwd", "peak_mem_gib")]
     tuner = res.tuner_table()
     if tuner:
-        out += [f"## {OURS}: the tuner's choices\n", tuner,
+        out += [f"## {TUNED}: the tuner's choices\n", tuner,
                 "fwd, dq, dkdv: (tile, variant), variant hopper = the warp-specialized forward (§12) with a (BLOCK_N, "
                 "K_STAGES, V_STAGES, PERSISTENT, CONSUMERS) tile; bwd: None = the dq and dkdv kernels ran, else the "
                 "Hopper backward (§13) with a (STAGES, DKDV_STAGED) tile\n"]

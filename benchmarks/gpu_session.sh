@@ -2,7 +2,7 @@
 # The GPU runs behind the README's tables, and the GPU tests: one or more stages per call of a GPU machine.
 #   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
 # STAGE: env | tests | kernels | memory | same_loss | seeds | step | sparse | decoding | documents | moba | long_context
-#        | host | hf_step | tune | startup | versions | scaling | terms
+#        | host | hf_step | tune | startup | versions | scaling | terms | cuda
 # Each table's raw files go to out/results/<table>/; with $OUT set (a lent machine's folder that comes back), the
 # folder is also packed into $OUT/<table>.tgz, which unpacks into benchmarks/results/<table>/ (the README's source):
 #   tar xzf <table>.tgz -C benchmarks/results
@@ -64,7 +64,7 @@ triton.__version__)" | log ;;
     pack kernels ;;
   memory)  # forward+backward peak memory against T
     timeout "$SECONDS_LEFT" python3 -m benchmarks.attention --batch 1 --head_dims 64 --causal true --no-gpt2 \
-      --passes fwd+bwd --backends naive,sdpa-flash,sdpa-cudnn,triton --rounds 1 --out_dir "$RESULTS/memory" 2>&1 \
+      --passes fwd+bwd --backends naive,sdpa-flash,sdpa-cudnn,triton,cuda --rounds 1 --out_dir "$RESULTS/memory" 2>&1 \
       | grep -v "it/s]" | log
     pack memory ;;
   same_loss)  # float32 without TF32: the backends' losses step by step against naive's (into same_loss/fp32)
@@ -84,7 +84,7 @@ triton.__version__)" | log ;;
          # one model: the run's noise) and once without the non-finite check (its cost)
     shakespeare 2>&1 | log
     timeout "$SECONDS_LEFT" python3 -m benchmarks.train_step configs/shakespeare.py --rounds 5 --steps 20 \
-      --backends "naive,sdpa,triton,triton-again:attn=triton,triton-unchecked:attn=triton+nonfinite=off" \
+      --backends "naive,sdpa,triton,cuda,triton-again:attn=triton,triton-unchecked:attn=triton+nonfinite=off" \
       --out_dir "$RESULTS/step" 2>&1 | log
     pack step ;;
   sparse)  # sliding window, packed documents and MoBA against dense causal and FlexAttention
@@ -120,6 +120,14 @@ triton.__version__)" | log ;;
   hf_step)  # a Hugging Face Llama's eager training step, ours against sdpa
     timeout "$SECONDS_LEFT" python3 -m benchmarks.hf_step --out_dir "$RESULTS/hf_step" 2>&1 | log
     pack hf_step ;;
+  cuda)  # issue 48: the CUDA kernels (attention/cuda/) beside sdpa's FlashAttention-2 and ours in Triton, forward and
+         # forward+backward, hs 64 and 128, T 1k-16k, causal and not; and the first call's build time (into cuda/)
+    timeout 300 python3 -m benchmarks.cuda_build --out_dir "$RESULTS/cuda" 2>&1 | log
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.attention --resume --backends sdpa-flash,cuda,triton --no-gpt2 \
+      --seq_lens 1024,2048,4096,8192,16384 --head_dims 64,128 --passes fwd,fwd+bwd --out_dir "$RESULTS/cuda" 2>&1 \
+      | grep -v "it/s]" | log
+    python3 -m benchmarks.attention_report "$RESULTS/cuda" | tail -5 | log
+    pack cuda ;;
   terms)  # issue 47: what softcap, ALiBi, sinks, dropout and return_lse cost over our plain kernel, and ours against
           # Flex's softcap / ALiBi and sdpa's dropout (B=4 H=16 T=4096 hs=128 bf16, causal and not, fwd and fwd+bwd)
     timeout "$SECONDS_LEFT" python3 -m benchmarks.terms --out_dir "$RESULTS/terms" 2>&1 | log

@@ -117,15 +117,31 @@ def test_importing_attention_needs_no_compiler():
 
 
 def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
-    from attention.cuda import _kernel_layout
+    from attention.cuda import kernel_layout
 
     q, k, v = projection_views(2, 37, 4, 64)  # views of one projection: strides multiples of 8, last dim contiguous
-    assert _kernel_layout(q) is q
+    assert kernel_layout(q) is q
     strided = torch.randn(1, 2, 37, 128)[..., ::2]  # last dim not contiguous
-    assert _kernel_layout(strided).is_contiguous()
+    assert kernel_layout(strided).is_contiguous()
     odd = torch.randn(1 * 2 * 37 * 64 + 1)[1:].view(1, 2, 37, 64)  # contiguous, 2 bytes past 16-byte alignment
-    fixed = _kernel_layout(odd)
+    fixed = kernel_layout(odd)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
+
+
+def test_the_operators_shape_their_outputs_for_torch_compile():
+    # torch.compile traces the operators on fake tensors: their fakes must give the kernels' output shapes and dtypes
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from attention.cuda import cuda_attention_bwd, cuda_attention_fwd
+
+    with FakeTensorMode():
+        q = torch.empty(2, 6, 77, 64, dtype=torch.bfloat16)
+        k, v = (torch.empty(2, 3, 90, 64, dtype=torch.bfloat16) for _ in range(2))
+        out, lse = cuda_attention_fwd(q, k, v, True, 0.125)
+        dq, dk, dv = cuda_attention_bwd(out, q, k, v, out, lse, True, 0.125)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert lse.shape == (2, 6, 77) and lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -211,3 +227,17 @@ def test_unsupported_inputs_are_refused_in_one_line():
     q, k, v = qkv(1, 2, 2, 16, 16, 96, torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="head dim 64 or 128, got 96"):
         attention(q, k, v, backend="cuda")
+
+
+@gpu
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    q, k, v = qkv(2, 4, 2, 300, 300, 64, torch.bfloat16, "cuda", requires_grad=True)
+
+    def step(q, k, v):
+        return attention(q, k, v, causal=True, backend="cuda").float().square().sum()
+
+    eager = torch.autograd.grad(step(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(eager, compiled):  # dQ's float32 atomic adds land in any order: its last bits may differ
+        torch.testing.assert_close(a, b)

@@ -21,6 +21,7 @@ Design (the kernels' comments cite docs/flash_attention.md by section):
 """
 import torch
 
+from ..flash.ops import define_op
 from .build import CudaBackendUnavailable, check_cuda_device, load_extension
 
 HEAD_DIMS = (64, 128)
@@ -41,10 +42,10 @@ def check_cuda_support(q: torch.Tensor) -> None:
                          "n_head, or use backend='triton'")
 
 
-def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """t as the kernels read it: a contiguous last dim, the other strides multiples of 8 elements and a 16-byte
     aligned start (rows are copied in 16-byte pieces). A model's q, k, v views of one projection already are; other
-    tensors are copied."""
+    tensors are copied. In the operators, on real tensors: a traced graph's fake ones have no address."""
     def fits(x):
         return x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
 
@@ -54,37 +55,53 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t if fits(t) else t.clone()  # contiguous but starting off 16 bytes (a view at an odd offset)
 
 
-class _CudaAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        out, lse = load_extension(q.device).forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out
+def _forward(q, k, v, causal: bool, scale: float):
+    q, k, v = (kernel_layout(t) for t in (q, k, v))
+    out, lse = load_extension(q.device).forward(q, k, v, causal, scale)
+    return out, lse
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = load_extension(q.device).backward(_kernel_layout(dout), q, k, v, out, lse, ctx.causal,
-                                                       ctx.scale)
-        return dq, dk, dv, None, None
+
+def _forward_fake(q, k, v, causal: bool, scale: float):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)  # out (B, Hq, Tq, D), lse (B, Hq, Tq)
+
+
+def _backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    dout, q, k, v = (kernel_layout(t) for t in (dout, q, k, v))
+    dq, dk, dv = load_extension(q.device).backward(dout, q, k, v, out, lse, causal, scale)
+    return dq, dk, dv
+
+
+def _backward_fake(dout, q, k, v, out, lse, causal: bool, scale: float):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _gradients(ctx, dout, _dlse):
+    """§5's backward from the saved log-sum-exp (the lse output is for the backward only: its gradient is ignored)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = cuda_attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+# The kernels as operators (torch.ops.nanoflash.cuda_attention_*), each with a fake that gives its outputs' shapes, so
+# that torch.compile(fullgraph=True) keeps them in the graph; the forward carries its autograd.
+cuda_attention_bwd = define_op("cuda_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                               "bool causal, float scale) -> (Tensor, Tensor, Tensor)", _backward, _backward_fake)
+cuda_attention_fwd = define_op("cuda_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) "
+                               "-> (Tensor, Tensor)", _forward, _forward_fake, _gradients, _save_for_backward)
 
 
 def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                    scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v with the CUDA kernels: q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
     scale defaults to 1/sqrt(D). The first call of a process builds (or loads from torch's cache) the extension."""
-    check_cuda_support(q)
+    if not torch.compiler.is_compiling():  # a compiled graph's inputs were checked when it was traced
+        check_cuda_support(q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    q, k, v = (_kernel_layout(t) for t in (q, k, v))
-    return _apply(q, k, v, bool(causal), float(scale))
-
-
-# torch.compile cannot trace into the extension's functions: the call is left out of the graph (a graph break per
-# call) rather than failing the compile. (Registering the kernels as torch.library custom ops with fake
-# implementations, as attention/flash does for the Triton kernels, would keep them in the graph; not done yet.)
-@torch.compiler.disable
-def _apply(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    return _CudaAttention.apply(q, k, v, causal, scale)
+    return cuda_attention_fwd(q, k, v, bool(causal), float(scale))[0]
