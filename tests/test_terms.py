@@ -337,24 +337,70 @@ def test_terms_compile_in_only_where_used():
     assert "SINKS" not in dispatch._term_constants(terms, q, v, "dkdv")  # it reads the sink's share in lse
 
 
-def test_terms_keep_off_the_hopper_kernels(monkeypatch):
-    # dispatch asks the Hopper kernels only about calls without the terms (they compute none of them yet)
+class HopperRan(Exception):
+    pass
+
+
+def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
+    # dispatch sends softcap, ALiBi and sinks to the Hopper kernels on an sm_90 GPU (its capability mocked here, the
+    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments; dropout, a value head dim of its own
+    # and varlen calls with a term stay on the `tl` kernels
     from attention.flash import dispatch
     from attention.flash.hopper import backward as hopper_backward
     from attention.flash.hopper import forward as hopper_forward
+    from attention.flash.launch import Launched
 
-    asked = []
+    taken = []
+
+    def fake_forward(q, k, v, o, lse, causal, scale, tile, documents=None, row_src=None, term_args=(None,) * 6):
+        taken.append(("fwd", term_args))
+        o.zero_(), lse.zero_()
+        return Launched(None, lambda *call: None)
+
+    def fake_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None, gathered=None,
+                      term_args=(None,) * 4, sink_rows=None):
+        taken.append(("bwd", term_args, sink_rows))
+        raise HopperRan
+
+    monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # as compiled on an sm_90 GPU
+    monkeypatch.setattr(hopper_forward, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper_forward, "forward", fake_forward)
+    monkeypatch.setattr(hopper_backward, "backward", fake_backward)
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
-    monkeypatch.setattr(hopper_forward, "forward_supports", lambda *a, **kw: asked.append("fwd") and False)
-    monkeypatch.setattr(hopper_backward, "backward_supports", lambda *a, **kw: asked.append("bwd") and False)
     torch.manual_seed(18)
-    q, k, v = qkv(Tq=20, Tk=20, D=16)
-    for terms in (dict(softcap=1.0), dict(sinks=torch.zeros(2)), dict(alibi_slopes=torch.ones(2)),
-                  dict(v=torch.randn(1, 2, 20, 32))):
-        assert_terms_match_fp64(q, k, terms.pop("v", v), True, **terms)
-    assert asked == []
-    assert_terms_match_fp64(q, k, v, True)
-    assert asked == ["fwd", "bwd"]
+    q, k, v = (t.requires_grad_() for t in qkv(B=2, Hq=4, Hkv=2, Tq=40, Tk=40, D=64, dtype=torch.float16))
+    slopes, sinks = slopes_for(2, 4, per_batch=True), torch.randn(4, requires_grad=True)
+    for terms in (dict(softcap=2.5), dict(alibi_slopes=slopes), dict(sinks=sinks),
+                  dict(softcap=3.0, alibi_slopes=slopes[0], sinks=sinks)):
+        taken.clear()
+        with pytest.raises(HopperRan):
+            out = attention(q, k, v, True, backend="triton", **terms)
+            out.backward(torch.randn_like(out))  # (a sum's gradient, stride 0, is not one the copy engine reads)
+        (_, fwd_args), (_, bwd_args, sink_rows) = taken
+        assert fwd_args[0] == bwd_args[0] == (terms.get("softcap") or None)
+        for args in (fwd_args, bwd_args):
+            slope_args = args[1:4]
+            if "alibi_slopes" in terms:  # the slopes, (B, H) or (H,) (batch stride 0)
+                given = terms["alibi_slopes"]
+                assert torch.equal(slope_args[0], given) and slope_args[1:] == (
+                    (0, 1) if given.dim() == 1 else given.stride())
+            else:
+                assert slope_args == (None,) * 3
+        if "sinks" in terms:  # the forward folds them in; the backward keeps Delta for their gradient
+            assert torch.equal(fwd_args[4], sinks) and fwd_args[5] == 1
+            assert sink_rows is not None and sink_rows.shape == (2, 4, 40)
+        else:
+            assert fwd_args[4:] == (None, None) and sink_rows is None
+    # not on the Hopper kernels: a value head dim of its own, dropout, a varlen call with a term
+    taken.clear()
+    attention(q, k, torch.randn(2, 2, 40, 32, dtype=torch.float16), True, backend="triton", softcap=2.0)
+    attention(q, k, v, True, backend="triton", dropout_p=0.1)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 25, 25, causal=True,
+                     softcap=2.0)
+    assert taken == []
+    attention(q, k, v, True, backend="triton")  # a plain call still goes there
+    assert [kind for kind, *_ in taken] == ["fwd"]
 
 
 def test_ops_with_terms_pass_opcheck():

@@ -263,3 +263,25 @@ def test_keys_too_small_to_time_take_the_first_candidate_and_the_tl_backward(mon
     tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
                           torch.bfloat16, 129, 129, ())
     assert len(tuner.best_backward) == 2
+
+
+def test_a_term_key_takes_its_plain_keys_backward_choice_untimed(monkeypatch, store):
+    # §15: a call with softcap, ALiBi or sinks has its own key, so it never reuses a plain call's plan, and is not
+    # timed: it takes the plain key's choice (in this process or on disk), else the `tl` pair (tuner.TERM_SWITCHES)
+    monkeypatch.setattr(tuner, "INTERPRET", False)
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(tuner, "best_backward", {})
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("a term key was timed"))
+    tiles = [HopperBackwardTile(2, False), HopperBackwardTile(3, True)]
+    kernels = fake_backward_kernels([])
+    plain = tuner.BackwardKey(64, True, False, torch.bfloat16, 1024, 1024, tuple(tiles))
+    # no plain choice anywhere: the `tl` pair
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (), ("SOFTCAP",)) is None
+    store().put(repr(plain), [3, True])  # the plain key's choice on disk (a shipped one, say)
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
+                                 ("ALIBI", "SINKS")) == (3, True)
+    tuner.best_backward[plain] = HopperBackwardTile(2, False)  # ... or in this process
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
+                                 ("SOFTCAP", "ALIBI")) == (2, False)
+    assert (plain, ("SOFTCAP",)) in tuner.best_backward and store().get(repr(plain)) == [3, True]  # plain key as was
+    assert tuner.tuned_choices(64, True, torch.bfloat16, 1000, 1000)["bwd"] == (2, False)  # term keys left out
