@@ -497,19 +497,77 @@ def test_gpu_varlen_terms_match_fp64(dtype):
     assert_terms_match_fp64(q, k, v, True, varlen=(cu, cu, 1031, 1031), **terms_for("all", 5, 8, "cuda"))
 
 
+def spy_on_hopper_kernels(monkeypatch) -> list:
+    """Record each launch of the Hopper forward and backward (their whole path: a plan's repeats are not recorded) as
+    (kind, its term_args, its documents), and let it run; skip where they cannot run (an sm_90 GPU, Gluon)."""
+    from attention.flash import device
+    from attention.flash.hopper import backward as hopper_backward
+    from attention.flash.hopper import forward as hopper_forward
+
+    if not (device.HAS_GLUON and device.is_hopper(torch.device("cuda"))):
+        pytest.skip("the Hopper kernels run on an sm_90 GPU")
+    taken = []
+
+    def spy(kind, launch):
+        def recorded(*args, **kwargs):
+            taken.append((kind, kwargs.get("term_args"), args[12] if kind == "bwd" and len(args) > 12
+                          else args[8] if kind == "fwd" and len(args) > 8 else None))
+            return launch(*args, **kwargs)
+        return recorded
+    monkeypatch.setattr(hopper_forward, "forward", spy("fwd", hopper_forward.forward))
+    monkeypatch.setattr(hopper_backward, "backward", spy("bwd", hopper_backward.backward))
+    return taken
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("default_tiles")
-def test_gpu_terms_never_take_the_hopper_kernels(monkeypatch):
-    # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: a call with a term must still be computed
-    # (by the `tl` kernels), on an sm_90 GPU and elsewhere alike
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, causal, Tq, Tk", [
+    (64, True, 1024, 1024),  # GPT-2's head; the first warpgroup's half tiles at the diagonal (§12)
+    (128, False, 1000, 1000),  # ragged last tile; hs=128's backward (softcap: S^T from zero, dP^T late)
+    (64, True, 1000, 300),  # Tq > Tk: 700 rows see no key (lse the sink's, or +inf)
+    (128, True, 300, 1000),  # Tq < Tk: ALiBi's rows placed bottom-right among the keys
+])
+def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk):
+    # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: each term through both of them (§15), against
+    # float64. dsinks comes from the pre-pass's Delta = rowsum(dO * O), O rounded to the inputs' dtype (the `tl`
+    # kernels sum P * dP instead: §15 measured rowsum(dO * O) there at 2.1x PyTorch's error in float16)
     from attention.flash import dispatch
 
+    taken = spy_on_hopper_kernels(monkeypatch)
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(24)
-    q, k, v = qkv(2, 8, 8, 1024, 1024, 128, torch.bfloat16, device="cuda")
+    q, k, v = qkv(2, 8, 2, Tq, Tk, D, dtype, device="cuda")
     for case in TERM_CASES:
-        assert_terms_match_fp64(q, k, v, True, **terms_for(case, 2, 8, "cuda"))
-    assert_terms_match_fp64(q, k, v[..., :64].contiguous(), True)
+        taken.clear()
+        terms = terms_for(case, 2, 8, "cuda")
+        assert_terms_match_fp64(q, k, v, causal, **terms)
+        assert [kind for kind, *_ in taken] == ["fwd", "bwd"], (case, taken)
+        (_, fwd_args, _), (_, bwd_args, _) = taken
+        assert (fwd_args[0] is not None) == ("softcap" in terms) == (bwd_args[0] is not None)
+        assert (fwd_args[1] is not None) == ("alibi_slopes" in terms) == (bwd_args[1] is not None)
+        assert (fwd_args[4] is not None) == ("sinks" in terms)
+    # a value head dim of its own stays on the `tl` kernels
+    taken.clear()
+    assert_terms_match_fp64(q, k, v[..., :32].contiguous(), causal, softcap=2.0)
+    assert taken == []
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("default_tiles")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_terms_with_documents_take_the_hopper_kernels(monkeypatch, dtype, D):
+    # §14's documents on the Hopper kernels, with every term
+    from attention.flash import dispatch
+
+    taken = spy_on_hopper_kernels(monkeypatch)
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
+    torch.manual_seed(27)
+    q, k, v = qkv(2, 8, 2, 999, 999, D, dtype, device="cuda")
+    ids = packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()
+    assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("all", 2, 8, "cuda"))
+    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
 
 
 @pytest.mark.gpu
