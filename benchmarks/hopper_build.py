@@ -200,8 +200,9 @@ def main(argv=None):
         named = tuple(term for term in args.terms.split(",") if term)
         # each term alone, then all of them together; a backward has no sinks' build (it is the plain one)
         term_sets = [(term,) for term in named] + ([named] if len(named) > 1 else []) if named else [()]
-        if args.backward:
-            term_sets = list(dict.fromkeys(tuple(t for t in terms if t != "sinks") for terms in term_sets))
+        if args.backward and named:
+            term_sets = [terms for terms in dict.fromkeys(tuple(t for t in terms if t != "sinks") for terms in term_sets)
+                         if terms] or [()]
         for tile in tiles:
             for terms in term_sets:
                 kernel = (build_backward(head_dim, tile, args.documents, terms) if args.backward

@@ -284,10 +284,11 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # mind). The sinks need nothing here: the lse the forward stored holds the sink's share, so P does too
     SOFTCAP: gl.constexpr = softcap is not None
     TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
-    # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s
-    # (the build spilled 92 stores, against none without it): there dP^T is issued once P^T is, beside dV. ROWS_FIRST
-    # reaches a partition as a value (int1), not a constant, so a choice the frontend makes reads the head dim, which
-    # is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
+    # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s:
+    # with dP^T issued beside S^T as in the plain build, Triton 3.9's builds spilled 92 stores (157 with ALiBi too)
+    # against the plain build's 23; issued once P^T is, beside dV, 78 (30). Neither was timed (never run on a GPU).
+    # ROWS_FIRST reaches a partition as a value (int1), not a constant, so a choice the frontend makes reads the head
+    # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
     LATE_DP: gl.constexpr = SOFTCAP and HEAD_DIM == 128
     rows_from, rows_end = 0, Tq
     if DOCUMENTS:
