@@ -29,7 +29,7 @@ import triton
 
 from .hopper import backward as hopper_backward
 from .hopper import forward as hopper_forward
-from .hopper.shapes import FORWARD_TILES, document_tiles
+from .hopper.shapes import FORWARD_TILES, document_tiles, term_tiles
 from .launch import planned, remember
 from .tl_backward import attn_bwd_dkdv, attn_bwd_dq
 from .tl_forward import attn_fwd
@@ -336,7 +336,8 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
     if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents)
             and hopper_forward.forward_supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
-        tiles = FORWARD_TILES[D] if documents is None else document_tiles(D)
+        # two consumers with documents or the terms (document_tiles, term_tiles)
+        tiles = (FORWARD_TILES[D] if terms is NO_TERMS else term_tiles(D)) if documents is None else document_tiles(D)
         # softcap, the slopes, the sinks and their strides (not dropout's); a plain call passes none (so the launch
         # takes its defaults, the plain build)
         given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, True)[:6])
