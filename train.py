@@ -453,7 +453,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
         tokens_per_s = tokens_per_step / step_s
         if world.is_main:
             bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr_at(n, cfg):.2e}", ms=f"{1000 * step_s:.0f}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr_at(n, cfg):.2e}", ms=f"{1000 * step_s:.0f}",
+                            tok_s=f"{tokens_per_s:,.0f}")
             if n % cfg.log_interval == 0 or n == cfg.max_steps - 1 or not result.finite:
                 record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
                     "step": n, "train_loss": finite_or_none(result.loss), "lr": lr_at(n, cfg),
@@ -489,7 +490,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                 in_flight, launched = None, in_flight
                 settle(launched)
                 continue  # the settled step may have asked to stop: decide again
-            if save_now and step < cfg.max_steps and stopped_by is None and not in_flight:
+            if save_now and step < cfg.max_steps and stopped_by is None:  # the step before it was settled above
                 save(step)
             if evaluate_now:
                 with stop.interruptible():

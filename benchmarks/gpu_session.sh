@@ -43,7 +43,7 @@ triton.__version__)" | log ;;
           # Compiling kernels, not running them, takes the time: the files go to $TEST_SHARDS pytest processes
           # (default 4) at once, spread over the machine's GPUs, each its own log; SIGINT at the limit makes every
           # one print its failures and summary
-    files=$(grep -l "mark.gpu" ${TESTS:-tests/test_*.py} | sort)
+    files=$(grep -rl "mark.gpu" --include='test_*.py' ${TESTS:-tests} | sort)
     gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
     shards=${TEST_SHARDS:-4}
     for i in $(seq 0 $((shards - 1))); do

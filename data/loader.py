@@ -6,6 +6,7 @@ read exactly what one process with a world_size-times-larger batch would. An opt
 micro-batches per rank reads one contiguous world_size*accumulation*B*T chunk, and a shard with fewer tokens than
 that (+1) left when a step ends is done; after the last shard the loader starts over from the first. So the same
 global batch split as 1 GPU x 4 micro-batches or 4 GPUs x 1 reads the same tokens in every step, epochs included.
+A step larger than a whole shard cannot stay inside one: there the shard is done when a batch no longer fits.
 
 Every shard is checked against the data's index when the loader starts (its size, header and length, and with
 vocab_size its largest token id; data/shards.py), and its tokens are read through once when it is first opened, so a
@@ -41,7 +42,7 @@ class TokenLoader:
         self.tokens_per_batch = world_size * batch_size * block_size  # how far the shared base moves per batch
         self.accumulation, self.batches_into_step = accumulation, 0
         # +1: the target of a batch's last position is the token just after it
-        need = self.tokens_per_batch * accumulation + 1
+        need = self.tokens_per_batch + 1
         self.index, self.vocab_size = read_index(data_dir), vocab_size
         found = {os.path.basename(path) for path in self.shards}
         missing = sorted(os.path.join(data_dir, name) for name in self.index["shards"]
@@ -54,9 +55,9 @@ class TokenLoader:
         for path, size in zip(self.shards, self.shard_sizes):
             if size < need:
                 raise ValueError(
-                    f"shard {path} holds {size} tokens, fewer than one optimizer step needs: world_size * "
-                    f"accumulation * batch_size * block_size + 1 = {world_size} * {accumulation} * {batch_size} * "
-                    f"{block_size} + 1 = {need}; lower batch_size, block_size or total_batch_size, or prepare more data"
+                    f"shard {path} holds {size} tokens, fewer than one batch needs: world_size * batch_size * "
+                    f"block_size + 1 = {world_size} * {batch_size} * {block_size} + 1 = {need}; "
+                    "lower batch_size or block_size, or prepare more data"
                 )
         self._open(0, 0)
 
@@ -67,8 +68,15 @@ class TokenLoader:
             check_tokens(self.shards[shard], self.tokens, self.index, self.vocab_size)
             self.read_through.add(shard)
 
-    def _next_shard_if_exhausted(self) -> None:
-        if len(self.tokens) - self.position < self.tokens_per_batch * self.accumulation + 1:
+    def _next_shard_if_exhausted(self, step_boundary: bool = True) -> None:
+        whole_step = self.tokens_per_batch * self.accumulation + 1
+        if len(self.tokens) < whole_step:  # no step fits in this shard: it is done when a batch does not
+            need = self.tokens_per_batch + 1
+        elif step_boundary:
+            need = whole_step
+        else:  # inside a step that was checked to fit when it began
+            return
+        if len(self.tokens) - self.position < need:
             self._open((self.shard + 1) % len(self.shards), 0)  # after the last shard: a new epoch
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,8 +88,7 @@ class TokenLoader:
         y = buf[1:].view(B, T)
         self.position += self.tokens_per_batch
         self.batches_into_step = (self.batches_into_step + 1) % self.accumulation
-        if self.batches_into_step == 0:  # a step never straddles two shards or epochs
-            self._next_shard_if_exhausted()
+        self._next_shard_if_exhausted(step_boundary=self.batches_into_step == 0)
         return x, y
 
     def state_dict(self) -> dict:

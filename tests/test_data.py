@@ -341,6 +341,12 @@ def test_one_global_batch_reads_the_same_tokens_however_it_is_split(tmp_path):
     assert steps(2, 2) == steps(4, 1) == (single, state)
 
 
+def test_a_step_larger_than_any_shard_still_reads_batch_by_batch(tmp_path):
+    # 8 micro-batches of 9 tokens (72 + 1) never fit in shards of 50 and 30: each shard is done when a batch is not
+    loader = TokenLoader(make_shards(tmp_path, [50, 30]), "train", 2, 4, accumulation=8)
+    assert first_tokens(loader, 9) == [0, 8, 16, 24, 32, 40, 1000, 1008, 1016]
+
+
 def test_state_dict_restores_the_exact_next_batches_on_every_rank(tmp_path):
     data_dir = make_shards(tmp_path, [50, 30, 41])
     rank0, rank1 = (TokenLoader(data_dir, "train", 2, 3, rank=r, world_size=2) for r in range(2))

@@ -52,7 +52,8 @@ class LaunchedStep:
 
 
 class TrainStep:
-    """step(lr, stop_requested) -> LaunchedStep (its wait() -> StepResult). model: what the batches run through (compiled, DDP-wrapped, sharded);
+    """step(lr, stop_requested) -> LaunchedStep (its wait() -> StepResult). model: what the batches run through
+    (compiled, DDP-wrapped, sharded);
     no_sync(): the context that skips the gradient sync on all but the last micro-step (None: one process);
     params: the parameters to clip; optimizer: a fused one (AdamW(fused=True), which takes found_inf);
     batches(): the next (x, y) on the CPU. check_finite: skip the update on a non-finite loss or gradient norm.
