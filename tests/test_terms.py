@@ -358,8 +358,8 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
         return Launched(None, lambda *call: None)
 
     def fake_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None, gathered=None,
-                      term_args=(None,) * 4, sink_rows=None):
-        taken.append(("bwd", term_args, sink_rows))
+                      term_args=(None,) * 4):
+        taken.append(("bwd", term_args))
         raise HopperRan
 
     monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # as compiled on an sm_90 GPU
@@ -373,12 +373,19 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
     for terms in (dict(softcap=2.5), dict(alibi_slopes=slopes), dict(sinks=sinks),
                   dict(softcap=3.0, alibi_slopes=slopes[0], sinks=sinks)):
         taken.clear()
-        with pytest.raises(HopperRan):
-            out = attention(q, k, v, True, backend="triton", **terms)
-            out.backward(torch.randn_like(out))  # (a sum's gradient, stride 0, is not one the copy engine reads)
-        (_, fwd_args), (_, bwd_args, sink_rows) = taken
-        assert fwd_args[0] == bwd_args[0] == (terms.get("softcap") or None)
-        for args in (fwd_args, bwd_args):
+        out = attention(q, k, v, True, backend="triton", **terms)
+        do = torch.randn_like(out)  # (a sum's gradient, stride 0, is not one the copy engine reads)
+        if "sinks" in terms:  # the forward folds them in; their gradient keeps the backward on the `tl` kernels
+            out.backward(do)
+            assert [kind for kind, _ in taken] == ["fwd"]
+            assert torch.equal(taken[0][1][4], sinks) and taken[0][1][5] == 1
+        else:
+            with pytest.raises(HopperRan):
+                out.backward(do)
+            assert [kind for kind, _ in taken] == ["fwd", "bwd"]
+            assert taken[0][1][4:] == (None, None)
+        for _, args in taken:
+            assert args[0] == (terms.get("softcap") or None)
             slope_args = args[1:4]
             if "alibi_slopes" in terms:  # the slopes, (B, H) or (H,) (batch stride 0)
                 given = terms["alibi_slopes"]
@@ -386,11 +393,6 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
                     (0, 1) if given.dim() == 1 else given.stride())
             else:
                 assert slope_args == (None,) * 3
-        if "sinks" in terms:  # the forward folds them in; the backward keeps Delta for their gradient
-            assert torch.equal(fwd_args[4], sinks) and fwd_args[5] == 1
-            assert sink_rows is not None and sink_rows.shape == (2, 4, 40)
-        else:
-            assert fwd_args[4:] == (None, None) and sink_rows is None
     # not on the Hopper kernels: a value head dim of its own, dropout, a varlen call with a term
     taken.clear()
     attention(q, k, torch.randn(2, 2, 40, 32, dtype=torch.float16), True, backend="triton", softcap=2.0)
@@ -530,8 +532,7 @@ def spy_on_hopper_kernels(monkeypatch) -> list:
 ])
 def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk):
     # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: each term through both of them (§15), against
-    # float64. dsinks comes from the pre-pass's Delta = rowsum(dO * O), O rounded to the inputs' dtype (the `tl`
-    # kernels sum P * dP instead: §15 measured rowsum(dO * O) there at 2.1x PyTorch's error in float16)
+    # float64; with sinks the forward only (their gradient needs the `tl` dQ kernel's sums of P * dP)
     from attention.flash import dispatch
 
     taken = spy_on_hopper_kernels(monkeypatch)
@@ -542,11 +543,11 @@ def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk
         taken.clear()
         terms = terms_for(case, 2, 8, "cuda")
         assert_terms_match_fp64(q, k, v, causal, **terms)
-        assert [kind for kind, *_ in taken] == ["fwd", "bwd"], (case, taken)
-        (_, fwd_args, _), (_, bwd_args, _) = taken
-        assert (fwd_args[0] is not None) == ("softcap" in terms) == (bwd_args[0] is not None)
-        assert (fwd_args[1] is not None) == ("alibi_slopes" in terms) == (bwd_args[1] is not None)
-        assert (fwd_args[4] is not None) == ("sinks" in terms)
+        assert [kind for kind, *_ in taken] == ["fwd"] + (["bwd"] if "sinks" not in terms else []), (case, taken)
+        for _, args, _ in taken:
+            assert (args[0] is not None) == ("softcap" in terms)
+            assert (args[1] is not None) == ("alibi_slopes" in terms)
+        assert (taken[0][1][4] is not None) == ("sinks" in terms)
     # a value head dim of its own stays on the `tl` kernels
     taken.clear()
     assert_terms_match_fp64(q, k, v[..., :32].contiguous(), causal, softcap=2.0)
@@ -567,6 +568,10 @@ def test_gpu_terms_with_documents_take_the_hopper_kernels(monkeypatch, dtype, D)
     q, k, v = qkv(2, 8, 2, 999, 999, D, dtype, device="cuda")
     ids = packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()
     assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("all", 2, 8, "cuda"))
+    # "all" has sinks: the backward on the `tl` kernels
+    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True)], taken
+    taken.clear()
+    assert_terms_match_fp64(q, k, v, True, document_ids=ids, softcap=20.0, alibi_slopes=slopes_for(2, 8).cuda())
     assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
 
 

@@ -421,17 +421,18 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in. It takes dense calls and §14 documents (varlen ones as one batch entry)
+    # §15 not with sinks: their gradient sums P * dP per row from exact products, which only the `tl` dQ kernel does
+    # (the Hopper kernel's Delta, rowsum(dO * O), carries O's rounding into a sum over every row of a head)
     documents = _hopper_documents(mask, varlen)
     call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
-    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents)
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents) and terms.sinks is None
             and not torch.are_deterministic_algorithms_enabled()
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
-        # §15 softcap and ALiBi compiled in where the call has them; with sinks the pre-pass's Delta goes to
-        # sink_rows for their gradient (sink_grad)
-        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, False)[:4], sink_rows=sink_rows)
-        values = _term_values(terms, False) + (() if sink_rows is None else (sink_rows,))
+        # §15 softcap and ALiBi compiled in where the call has them
+        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, False)[:4])
+        values = _term_values(terms, False)
 
         def hopper(tile):
             """-> its Launched: a dense call's again is its plan; with documents (no plan kept, _plan_key) this call"""

@@ -102,8 +102,7 @@ def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float)
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4,
-             sink_rows: torch.Tensor | None = None) -> Launched:
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
     forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
@@ -111,11 +110,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
     reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. term_args: §15's (softcap,
     slopes, stride_slopes_b, stride_slopes_h) as dispatch._term_args gives them, None for a term the call does not
-    have. sink_rows (B, Hq, Tq) float32, with sinks: Delta = rowsum(dO * O) per row goes there, for the sinks'
-    gradient (dispatch.sink_grad; the kernels need no change for sinks, §15). -> Launched: the compiled main kernel
-    and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, *sink rows, documents=None), the same three
+    have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main kernel
+    and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three
     launches for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
-    forward.term_values(term_args)'s, the sink rows the call's sink_rows where the first call had them."""
+    forward.term_values(term_args)'s."""
     B, Hq, T, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     row_src, given_dq_acc = gathered or (None, None)
@@ -174,12 +172,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         return Launched(first_main.compiled, None)
     first_finish, finish_args = finish_dq(dq_acc, dq, T_pad, scale)
     values = term_values(term_args)
-    with_sinks = sink_rows is not None
-
-    def keep_delta(sink_rows, delta_row):  # §15 the rows' Delta, for the sinks' gradient (sink_rows)
-        if sink_rows is not None:
-            sink_rows.copy_(delta_row.view(B, Hq, T_pad)[..., :T])
-    keep_delta(sink_rows, delta_row)
     # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
     # launch.BoundLaunch), so again keeps no tensor of this call
     first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, unit, *values,
@@ -188,19 +180,16 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
                                                                         (first_main, main_args),
                                                                         (first_finish, finish_args))]
     if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
-        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *rest, documents=None):
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
             lse_row, delta_row, dq_acc = buffers()
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
             first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main,
-                             scale, *document_args(documents), *with_term_values(term_args, rest[:len(values)]))
+                             scale, *document_args(documents), *with_term_values(term_args, values_now))
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
-            keep_delta(rest[len(values)] if with_sinks else None, delta_row)
     else:
-        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *rest, documents=None):
-            rows = buffers()
-            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *rows, lse_unit(scale), *rest[:len(values)],
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
+            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *values_now,
                     *(documents or ()))
             for plan in plans:
                 plan(*call)
-            keep_delta(rest[len(values)] if with_sinks else None, rows[1])
     return Launched(first_main.compiled, again)
