@@ -8,6 +8,7 @@ change in a new Triton, or a change that makes a kernel spill, fails there.
     python -m benchmarks.hopper_build                               # every tile of both head dims
     python -m benchmarks.hopper_build --head_dim 64 --tile 128,3,2 --sass out.sass
     python -m benchmarks.hopper_build --backward                    # the backward, every tile
+    python -m benchmarks.hopper_build --terms softcap,alibi,sinks   # with FlashAttention's terms (§15), each alone
 
 The causal mask and the grid (persistent or not) are arguments of the launch, not of the build.
 
@@ -41,7 +42,8 @@ def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
     params = list(inspect.signature(kernel.fn).parameters)
     # as a launch specializes them for tensors of whole 16-byte rows: pointers and strides divisible by 16, which
     # is what lets the compiler vectorize stores
-    aligned = [name for name, kind in signature.items() if kind.startswith("*") or name.startswith("stride_")]
+    aligned = [name for name, kind in signature.items() if (kind.startswith("*") or name.startswith("stride_"))
+               and name not in ("SLOPES", "stride_slopes_b", "stride_slopes_h", "SINK_LOGITS", "stride_sinks")]
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(params.index(name),): value for name, value in constants.items()},
                             attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned})
@@ -72,9 +74,33 @@ def _document_args(documents: str | None) -> tuple[dict, dict]:
     return dict(stride_ids="i32"), dict(SPANS=None, IDS=None)
 
 
-def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None = None):
+TERMS = ("softcap", "alibi", "sinks")
+
+
+def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, dict]:
+    """-> (signature, constants) of the kernels' §15 arguments: softcap (fp32), SLOPES with its two strides, and the
+    forward's SINK_LOGITS with its stride, for the terms named (of TERMS); None (constants) for the others, which is
+    how a call without them builds (dispatch passes None for a term it does not have). The strides are not marked
+    16-divisible: slopes are (H,) or (B, H)."""
+    unknown = set(terms) - set(TERMS)
+    if unknown:
+        raise SystemExit(f"--terms: {sorted(unknown)} not among {TERMS}")
+    signature, constants = {}, {}
+    if "softcap" in terms:
+        signature["softcap"] = "fp32"
+    else:
+        constants["softcap"] = None
+    alibi = dict(SLOPES="*fp32", stride_slopes_b="i32", stride_slopes_h="i32")
+    (signature if "alibi" in terms else constants).update(alibi if "alibi" in terms else dict.fromkeys(alibi))
+    if not backward:  # the backward reads the sink's share in lse (dispatch.sink_grad takes its gradient)
+        sinks = dict(SINK_LOGITS="*fp32", stride_sinks="i32")
+        (signature if "sinks" in terms else constants).update(sinks if "sinks" in terms else dict.fromkeys(sinks))
+    return signature, constants
+
+
+def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None = None, terms: tuple[str, ...] = ()):
     """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode
-    ("documents") or spans alone ("spans", §11), or None."""
+    ("documents") or spans alone ("spans", §11), or None; terms: §15's to build in (of TERMS)."""
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = shapes.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
@@ -85,14 +111,16 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
                      o_desc=_descriptor_type(shapes.ROWS.value, head_dim), O="*bf16", LSE="*fp32",
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
                      diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature, **gathered_signature)
-    return _compile(gluon_forward.attn_fwd_ws, signature,
+    term_signature, term_constants = _term_args(terms)
+    return _compile(gluon_forward.attn_fwd_ws, {**signature, **term_signature},
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                         CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants), launch_regs)
+                         CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants, **term_constants),
+                    launch_regs)
 
 
-def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None):
+def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = ()):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED); documents as `build` takes it. With spans alone (MoBA's, §11) the problem is a
+    passes; tile: (STAGES, DKDV_STAGED); documents and terms as `build` takes them (sinks change nothing here). With spans alone (MoBA's, §11) the problem is a
     gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there."""
     stages, staged = tile
     kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
@@ -113,9 +141,10 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
                      **dict.fromkeys(["H_kv", "GROUP", "n_kv_heads", "heads_per_group", "Tq", "Tq_pad", "Tk", "diag"],
                                      "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
-    return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature},
+    term_signature, term_constants = _term_args(terms, backward=True)
+    return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature, **term_signature},
                     dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim), **gathered_constants,
-                         **doc_constants), shapes.BACKWARD_LAUNCH_REGS)
+                         **doc_constants, **term_constants), shapes.BACKWARD_LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -154,6 +183,8 @@ def main(argv=None):
     p.add_argument("--documents", action="store_const", const="documents", help="the document mode (§14)")
     p.add_argument("--spans", action="store_const", const="spans", dest="documents",
                    help="spans without ids, as MoBA runs the kernels (§11)")
+    p.add_argument("--terms", default="", help="§15's terms to build in, comma-separated, of " + ",".join(TERMS)
+                   + "; with several, each alone and then all together")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or not device.HAS_GLUON:
@@ -166,15 +197,23 @@ def main(argv=None):
             listed = shapes.document_tiles(head_dim) if args.documents else table[head_dim]
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in listed}))
+        named = tuple(term for term in args.terms.split(",") if term)
+        # each term alone, then all of them together; a backward has no sinks' build (it is the plain one)
+        term_sets = [(term,) for term in named] + ([named] if len(named) > 1 else []) if named else [()]
+        if args.backward and named:
+            term_sets = [terms for terms in dict.fromkeys(tuple(t for t in terms if t != "sinks") for terms in term_sets)
+                         if terms] or [()]
         for tile in tiles:
-            kernel = (build_backward(head_dim, tile, args.documents) if args.backward
-                      else build(head_dim, tile, args.documents))
-            figures, sass = report(kernel)
-            print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",
-                                  head_dim=head_dim, tile=tile, documents=args.documents, **figures)), flush=True)
-            if args.sass:
-                with open(args.sass, "w") as f:
-                    f.write(sass)
+            for terms in term_sets:
+                kernel = (build_backward(head_dim, tile, args.documents, terms) if args.backward
+                          else build(head_dim, tile, args.documents, terms))
+                figures, sass = report(kernel)
+                print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",
+                                      head_dim=head_dim, tile=tile, documents=args.documents,
+                                      **(dict(terms=list(terms)) if named else {}), **figures)), flush=True)
+                if args.sass:
+                    with open(args.sass, "w") as f:
+                        f.write(sass)
 
 
 if __name__ == "__main__":

@@ -337,24 +337,72 @@ def test_terms_compile_in_only_where_used():
     assert "SINKS" not in dispatch._term_constants(terms, q, v, "dkdv")  # it reads the sink's share in lse
 
 
-def test_terms_keep_off_the_hopper_kernels(monkeypatch):
-    # dispatch asks the Hopper kernels only about calls without the terms (they compute none of them yet)
+class HopperRan(Exception):
+    pass
+
+
+def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
+    # dispatch sends softcap, ALiBi and sinks to the Hopper kernels on an sm_90 GPU (its capability mocked here, the
+    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments; dropout, a value head dim of its own
+    # and varlen calls with a term stay on the `tl` kernels
     from attention.flash import dispatch
     from attention.flash.hopper import backward as hopper_backward
     from attention.flash.hopper import forward as hopper_forward
+    from attention.flash.launch import Launched
 
-    asked = []
+    taken = []
+
+    def fake_forward(q, k, v, o, lse, causal, scale, tile, documents=None, row_src=None, term_args=(None,) * 6):
+        taken.append(("fwd", term_args))
+        o.zero_(), lse.zero_()
+        return Launched(None, lambda *call: None)
+
+    def fake_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None, gathered=None,
+                      term_args=(None,) * 4):
+        taken.append(("bwd", term_args))
+        raise HopperRan
+
+    monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # as compiled on an sm_90 GPU
+    monkeypatch.setattr(hopper_forward, "is_hopper", lambda device: True)
+    monkeypatch.setattr(hopper_forward, "forward", fake_forward)
+    monkeypatch.setattr(hopper_backward, "backward", fake_backward)
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
-    monkeypatch.setattr(hopper_forward, "forward_supports", lambda *a, **kw: asked.append("fwd") and False)
-    monkeypatch.setattr(hopper_backward, "backward_supports", lambda *a, **kw: asked.append("bwd") and False)
     torch.manual_seed(18)
-    q, k, v = qkv(Tq=20, Tk=20, D=16)
-    for terms in (dict(softcap=1.0), dict(sinks=torch.zeros(2)), dict(alibi_slopes=torch.ones(2)),
-                  dict(v=torch.randn(1, 2, 20, 32))):
-        assert_terms_match_fp64(q, k, terms.pop("v", v), True, **terms)
-    assert asked == []
-    assert_terms_match_fp64(q, k, v, True)
-    assert asked == ["fwd", "bwd"]
+    q, k, v = (t.requires_grad_() for t in qkv(B=2, Hq=4, Hkv=2, Tq=40, Tk=40, D=64, dtype=torch.float16))
+    slopes, sinks = slopes_for(2, 4, per_batch=True), torch.randn(4, requires_grad=True)
+    for terms in (dict(softcap=2.5), dict(alibi_slopes=slopes), dict(sinks=sinks),
+                  dict(softcap=3.0, alibi_slopes=slopes[0], sinks=sinks)):
+        taken.clear()
+        out = attention(q, k, v, True, backend="triton", **terms)
+        do = torch.randn_like(out)  # (a sum's gradient, stride 0, is not one the copy engine reads)
+        if "sinks" in terms:  # the forward folds them in; their gradient keeps the backward on the `tl` kernels
+            out.backward(do)
+            assert [kind for kind, _ in taken] == ["fwd"]
+            assert torch.equal(taken[0][1][4], sinks) and taken[0][1][5] == 1
+        else:
+            with pytest.raises(HopperRan):
+                out.backward(do)
+            assert [kind for kind, _ in taken] == ["fwd", "bwd"]
+            assert taken[0][1][4:] == (None, None)
+        for _, args in taken:
+            assert args[0] == (terms.get("softcap") or None)
+            slope_args = args[1:4]
+            if "alibi_slopes" in terms:  # the slopes, (B, H) or (H,) (batch stride 0)
+                given = terms["alibi_slopes"]
+                assert torch.equal(slope_args[0], given) and slope_args[1:] == (
+                    (0, 1) if given.dim() == 1 else given.stride())
+            else:
+                assert slope_args == (None,) * 3
+    # not on the Hopper kernels: a value head dim of its own, dropout, a varlen call with a term
+    taken.clear()
+    attention(q, k, torch.randn(2, 2, 40, 32, dtype=torch.float16), True, backend="triton", softcap=2.0)
+    attention(q, k, v, True, backend="triton", dropout_p=0.1)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 25, 25, causal=True,
+                     softcap=2.0)
+    assert taken == []
+    attention(q, k, v, True, backend="triton")  # a plain call still goes there
+    assert [kind for kind, *_ in taken] == ["fwd"]
 
 
 def test_ops_with_terms_pass_opcheck():
@@ -451,19 +499,80 @@ def test_gpu_varlen_terms_match_fp64(dtype):
     assert_terms_match_fp64(q, k, v, True, varlen=(cu, cu, 1031, 1031), **terms_for("all", 5, 8, "cuda"))
 
 
+def spy_on_hopper_kernels(monkeypatch) -> list:
+    """Record each launch of the Hopper forward and backward (their whole path: a plan's repeats are not recorded) as
+    (kind, its term_args, its documents), and let it run; skip where they cannot run (an sm_90 GPU, Gluon)."""
+    from attention.flash import device
+    from attention.flash.hopper import backward as hopper_backward
+    from attention.flash.hopper import forward as hopper_forward
+
+    if not (device.HAS_GLUON and device.is_hopper(torch.device("cuda"))):
+        pytest.skip("the Hopper kernels run on an sm_90 GPU")
+    taken = []
+
+    def spy(kind, launch):
+        def recorded(*args, **kwargs):
+            taken.append((kind, kwargs.get("term_args"), args[12] if kind == "bwd" and len(args) > 12
+                          else args[8] if kind == "fwd" and len(args) > 8 else None))
+            return launch(*args, **kwargs)
+        return recorded
+    monkeypatch.setattr(hopper_forward, "forward", spy("fwd", hopper_forward.forward))
+    monkeypatch.setattr(hopper_backward, "backward", spy("bwd", hopper_backward.backward))
+    return taken
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("default_tiles")
-def test_gpu_terms_never_take_the_hopper_kernels(monkeypatch):
-    # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: a call with a term must still be computed
-    # (by the `tl` kernels), on an sm_90 GPU and elsewhere alike
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, causal, Tq, Tk", [
+    (64, True, 1024, 1024),  # GPT-2's head; the first warpgroup's half tiles at the diagonal (§12)
+    (128, False, 1000, 1000),  # ragged last tile; hs=128's backward (softcap: S^T from zero, dP^T late)
+    (64, True, 1000, 300),  # Tq > Tk: 700 rows see no key (lse the sink's, or +inf)
+    (128, True, 300, 1000),  # Tq < Tk: ALiBi's rows placed bottom-right among the keys
+])
+def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk):
+    # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: each term through both of them (§15), against
+    # float64; with sinks the forward only (their gradient needs the `tl` dQ kernel's sums of P * dP)
     from attention.flash import dispatch
 
+    taken = spy_on_hopper_kernels(monkeypatch)
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(24)
-    q, k, v = qkv(2, 8, 8, 1024, 1024, 128, torch.bfloat16, device="cuda")
+    q, k, v = qkv(2, 8, 2, Tq, Tk, D, dtype, device="cuda")
     for case in TERM_CASES:
-        assert_terms_match_fp64(q, k, v, True, **terms_for(case, 2, 8, "cuda"))
-    assert_terms_match_fp64(q, k, v[..., :64].contiguous(), True)
+        taken.clear()
+        terms = terms_for(case, 2, 8, "cuda")
+        assert_terms_match_fp64(q, k, v, causal, **terms)
+        assert [kind for kind, *_ in taken] == ["fwd"] + (["bwd"] if "sinks" not in terms else []), (case, taken)
+        for _, args, _ in taken:
+            assert (args[0] is not None) == ("softcap" in terms)
+            assert (args[1] is not None) == ("alibi_slopes" in terms)
+        assert (taken[0][1][4] is not None) == ("sinks" in terms)
+    # a value head dim of its own stays on the `tl` kernels
+    taken.clear()
+    assert_terms_match_fp64(q, k, v[..., :32].contiguous(), causal, softcap=2.0)
+    assert taken == []
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("default_tiles")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_terms_with_documents_take_the_hopper_kernels(monkeypatch, dtype, D):
+    # §14's documents on the Hopper kernels, with every term
+    from attention.flash import dispatch
+
+    taken = spy_on_hopper_kernels(monkeypatch)
+    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
+    torch.manual_seed(27)
+    q, k, v = qkv(2, 8, 2, 999, 999, D, dtype, device="cuda")
+    ids = packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()
+    assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("all", 2, 8, "cuda"))
+    # "all" has sinks: the backward on the `tl` kernels
+    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True)], taken
+    taken.clear()
+    assert_terms_match_fp64(q, k, v, True, document_ids=ids, softcap=20.0, alibi_slopes=slopes_for(2, 8).cuda())
+    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
 
 
 @pytest.mark.gpu

@@ -72,6 +72,25 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
             assert built["spill_stores"] <= 128 and built["stack_bytes"] <= 256, built
 
 
+@needs_gluon
+@pytest.mark.parametrize("kernel, tile", [("forward", "128,3,3,2"), ("backward", "3,1")])
+def test_builds_with_the_terms(kernel, tile):
+    # §15's terms compiled into the Hopper kernels (hopper_build --terms): each alone, then all together; the
+    # backward has no sinks' build (its kernel is the plain one). Catches a term's code that stops compiling
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", "64", "--tile", tile,
+                          "--terms", "softcap,alibi,sinks", *(["--backward"] if kernel == "backward" else [])],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    expected = [["softcap"], ["alibi"], ["sinks"], ["softcap", "alibi", "sinks"]]
+    assert [built["terms"] for built in builds] == (expected if kernel == "forward" else
+                                                    [["softcap"], ["alibi"], ["softcap", "alibi"]])
+    for built in builds:
+        assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built
+        assert built["spill_stores"] <= 128 and built["stack_bytes"] <= 256, built  # Triton 3.9: at most 21 stores
+
+
 # --- on the GPU -------------------------------------------------------------------------------------------------
 CASES = [  # dtype, D, causal, B, Hq, Hkv, Tq, Tk
     (torch.bfloat16, 64, True, 2, 4, 4, 1000, 1000),  # ragged last tile, rows split across the two warpgroups

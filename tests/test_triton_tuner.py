@@ -11,7 +11,7 @@ from triton.runtime.errors import OutOfResources
 
 from attention import attention
 from attention.flash import tiles, tuner
-from attention.flash.hopper.shapes import HopperBackwardTile
+from attention.flash.hopper.shapes import HopperBackwardTile, HopperForwardTile
 from attention.flash.tuning_store import TuningStore
 
 
@@ -263,3 +263,52 @@ def test_keys_too_small_to_time_take_the_first_candidate_and_the_tl_backward(mon
     tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
                           torch.bfloat16, 129, 129, ())
     assert len(tuner.best_backward) == 2
+
+
+def test_a_term_key_takes_its_plain_keys_backward_choice_untimed(monkeypatch, store):
+    # §15: a call with softcap, ALiBi or sinks has its own key, so it never reuses a plain call's plan, and is not
+    # timed: it takes the plain key's choice (in this process or on disk), else the `tl` pair (tuner.TERM_SWITCHES)
+    monkeypatch.setattr(tuner, "INTERPRET", False)
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(tuner, "best_backward", {})
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("a term key was timed"))
+    tiles = [HopperBackwardTile(2, False), HopperBackwardTile(3, True)]
+    kernels = fake_backward_kernels([])
+    plain = tuner.BackwardKey(64, True, False, torch.bfloat16, 1024, 1024, tuple(tiles))
+    # no plain choice anywhere: the `tl` pair
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (), ("SOFTCAP",)) is None
+    store().put(repr(plain), [3, True])  # the plain key's choice on disk (a shipped one, say)
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
+                                 ("ALIBI", "SINKS")) == (3, True)
+    tuner.best_backward[plain] = HopperBackwardTile(2, False)  # ... or in this process
+    assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
+                                 ("SOFTCAP", "ALIBI")) == (2, False)
+    assert (plain, ("SOFTCAP",)) in tuner.best_backward and store().get(repr(plain)) == [3, True]  # plain key as was
+    assert tuner.tuned_choices(64, True, torch.bfloat16, 1000, 1000)["bwd"] == (2, False)  # term keys left out
+
+
+def test_a_term_key_takes_its_plain_keys_forward_choice_untimed(monkeypatch, store):
+    # the forward's tuning key holds the term switches among its constants; with the Hopper tiles among the candidates
+    # a term key is not timed: the plain key's choice (here the Hopper tile it chose), else the first that fits
+    monkeypatch.setattr(tuner, "INTERPRET", False)
+    monkeypatch.setattr(tiles, "INTERPRET", False)
+    monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
+    monkeypatch.setattr(tuner, "best_tile", {})
+    monkeypatch.setattr(tuner, "timed", lambda first_runs: pytest.fail("a term key was timed"))
+    launched = []
+    monkeypatch.setattr(tuner, "launch", lambda fn, grid, args, **constants: launched.append(
+        (constants["BLOCK_M"], constants["BLOCK_N"])) or types.SimpleNamespace(again=lambda *args: None))
+    hopper_tile = HopperForwardTile(128, 3, 3, True, 2)
+    hopper = ([hopper_tile], lambda tile: launched.append(tile) or types.SimpleNamespace(again=lambda *a: None), ())
+    plain = dict(HEAD_DIM=64, BLOCK_D=64, CAUSAL=True)
+    with_terms = {**plain, "SOFTCAP": True, "SINKS": True}
+    call = ("fwd", "kernel", lambda block_m, block_n: (1, 1), (), with_terms, 1000, 1000, torch.bfloat16)
+    choice, _ = tuner.tuned_launch(*call, hopper=hopper)  # no plain choice yet: the first candidate, a `tl` tile
+    assert choice == (tiles.TL_TILES["fwd"][64][0], None)
+    monkeypatch.setattr(tuner, "best_tile", {})
+    plain_key = tuner.TuningKey("fwd", tuple(plain.items()), None, True, torch.bfloat16, 1024, 1024)
+    store().put(repr(plain_key), tuner._as_json((hopper_tile, "hopper")))  # the plain key's (shipped) choice
+    choice, _ = tuner.tuned_launch(*call, hopper=hopper)
+    assert choice == (hopper_tile, "hopper") and launched[-1] == hopper_tile
+    assert store().get(repr(tuner.TuningKey("fwd", tuple(with_terms.items()), None, True, torch.bfloat16, 1024,
+                                            1024))) is None  # nothing kept for the term key

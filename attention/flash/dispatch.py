@@ -8,8 +8,9 @@
 Which kernels run: on Hopper the tuner (tuner.py, §9) times the `tl` forward (tl_forward.py) against the
 warp-specialized one (hopper/gluon_forward.py, §12), and the two `tl` backward kernels (tl_backward.py) against the
 warp-specialized backward (hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels
-run. A call with one of FlashAttention's terms (softcap, ALiBi, sinks; §15) or a value head dim of its own runs the
-`tl` kernels everywhere: the Hopper kernels do not compute them yet (plain_call).
+run. FlashAttention's terms softcap, ALiBi and sinks (§15) run on both, compiled into the Hopper kernels where a dense
+call (or documents) has them (hopper_call); dropout (§16), a value head dim of its own and varlen calls with a term
+keep to the `tl` kernels.
 NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
 NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
 
@@ -28,7 +29,7 @@ import triton
 
 from .hopper import backward as hopper_backward
 from .hopper import forward as hopper_forward
-from .hopper.shapes import FORWARD_TILES, document_tiles
+from .hopper.shapes import FORWARD_TILES, document_tiles, term_tiles
 from .launch import planned, remember
 from .tl_backward import attn_bwd_dkdv, attn_bwd_dq
 from .tl_forward import attn_fwd
@@ -119,6 +120,21 @@ def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
     """No §15 term, no dropout (§16) and one head dim for q, k, v: what the Hopper kernels take."""
     return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None and not terms.dropout_p
             and v.shape[-1] == q.shape[-1])
+
+
+def hopper_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """What the Hopper kernels (§12, §13) compute of a dense call's terms: softcap, ALiBi and sinks (§15), compiled in
+    where a call has them; not dropout (§16) or a value head dim of its own, which only the `tl` kernels compute."""
+    return not terms.dropout_p and v.shape[-1] == q.shape[-1]
+
+
+def _hopper_takes(terms: Terms, q: torch.Tensor, v: torch.Tensor, varlen: "Varlen | None",
+                  documents: tuple | None) -> bool:
+    """Whether the call's terms let it on the Hopper kernels: a dense call (hopper_call), or documents without terms
+    (varlen ones as one batch entry: their slopes would be per sequence, §15; autograd keeps spans to plain calls)."""
+    if varlen is None:
+        return hopper_call(terms, q, v)
+    return documents is not None and plain_call(terms, q, v)
 
 
 def _term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
@@ -313,17 +329,24 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, D = q.shape[1], q.shape[-1]
     hopper = None
-    # §12 the warp-specialized kernel: dense calls, and §14 documents (varlen ones as one batch entry); §15 not with
-    # the terms or a value head dim of its own, which only the `tl` kernels compute
+    # §12 the warp-specialized kernel: dense calls, and §14 documents (varlen ones as one batch entry); §15 softcap,
+    # ALiBi and sinks compiled in where the call has them, not dropout or a value head dim of its own
+    # (_hopper_takes), which only the `tl` kernels compute
     documents = _hopper_documents(mask, varlen)
     call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
-    if ((varlen is None or documents is not None) and HOPPER_MODE != "0" and plain_call(terms, q, v)
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents)
             and hopper_forward.forward_supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
-        tiles = FORWARD_TILES[D] if documents is None else document_tiles(D)
+        # two consumers with documents or the terms (document_tiles, term_tiles)
+        tiles = (FORWARD_TILES[D] if terms is NO_TERMS else term_tiles(D)) if documents is None else document_tiles(D)
+        # softcap, the slopes, the sinks and their strides (not dropout's); a plain call passes none (so the launch
+        # takes its defaults, the plain build)
+        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, True)[:6])
+
+        def hopper_launch(tile):
+            return hopper_forward.forward(*call, causal, scale, tile, documents, **given)
         if HOPPER_MODE == "1":
-            return hopper_forward.forward(*call, causal, scale, tiles[0], documents).again  # (documents: no plan kept)
-        hopper = (tiles, lambda tile: hopper_forward.forward(*call, causal, scale, tile, documents),
-                  (*call, scale, *(documents or ())))
+            return hopper_launch(tiles[0]).again  # (documents: no plan kept)
+        hopper = (tiles, hopper_launch, (*call, scale, *_term_values(terms, True), *(documents or ())))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = varlen is None and use_tma(q, k, v, o)
@@ -398,26 +421,34 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in. It takes dense calls and §14 documents (varlen ones as one batch entry)
+    # §15 not with sinks: their gradient sums P * dP per row from exact products, which only the `tl` dQ kernel does
+    # (the Hopper kernel's Delta, rowsum(dO * O), carries O's rounding into a sum over every row of a head)
     documents = _hopper_documents(mask, varlen)
     call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
-    if ((varlen is None or documents is not None) and HOPPER_MODE != "0" and plain_call(terms, q, v)
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents) and terms.sinks is None
             and not torch.are_deterministic_algorithms_enabled()
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
-        def hopper(tile):  # -> its Launched: a dense call's again is its plan; with documents (no plan kept,
-            launched = hopper_backward.backward(*call, causal, scale, tile, documents)  # _plan_key) this call
+        # §15 softcap and ALiBi compiled in where the call has them
+        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, False)[:4])
+        values = _term_values(terms, False)
+
+        def hopper(tile):
+            """-> its Launched: a dense call's again is its plan; with documents (no plan kept, _plan_key) this call"""
+            launched = hopper_backward.backward(*call, causal, scale, tile, documents, **given)
             if documents is None:
                 return launched
-            return launched._replace(again=lambda *_: launched.again(*call, scale, documents))
+            return launched._replace(again=lambda *_: launched.again(*call, scale, *values, documents=documents))
         tiles = hopper_backward.backward_tiles(D, *batch_grads[1:])
         if HOPPER_MODE == "1":
             tile = tiles[0]
         else:
             tile = backward_choice(lambda: _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen,
-                                                        terms),
+                                                        terms, sink_rows),
                                    hopper, tiles, D, causal, documents is not None, q.dtype, Tq, Tk,
-                                   (do, q, k, v, o, lse, dq, dk, dv, scale, *_cu_seqlens(varlen)))
+                                   (do, q, k, v, o, lse, dq, dk, dv, scale, *values, *_cu_seqlens(varlen)),
+                                   tuple(name for name in _term_constants(terms, q, v, "fwd")))
         if tile is not None:
             return hopper(tile).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen, terms, sink_rows)

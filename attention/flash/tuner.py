@@ -46,6 +46,14 @@ HEAT_MS, WARMUP_MS, REP_MS, ROUNDS = 100, 50, 25, 3
 # tell the candidates apart, while timing them compiles every one of them: seconds of a process's start-up, for a
 # sample's prefill of a short prompt say (docs/perf_notes.md, "Start-up").
 TIMED_FROM = 256 * 256
+# §15 the switches of FlashAttention's terms that the Hopper kernels compile in (dispatch._term_constants). A key with
+# them on, where the Hopper kernels are candidates, is not timed: it takes the choice of its plain key (the same key
+# without them) if that key has one, in this process or on disk (the shipped choices), else the first candidate that
+# fits (the `tl` kernels: for the backward the `tl` pair). The terms change no candidate, so the plain choice is one of
+# the term key's; what they cost (a few operations per score, more registers) is alike for every tile, so the tile
+# fastest without them is taken as the best guess with them, and no process start compiles and times every tile
+# again for each combination of terms. Term keys without the Hopper candidates are tuned as any key is.
+TERM_SWITCHES = ("SOFTCAP", "ALIBI", "SINKS")
 
 
 class TuningKey(NamedTuple):
@@ -159,6 +167,15 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
     choice = best_tile[key] = _stored_choice(key, candidates)
     if choice is not None:
         return choice, run(choice)
+    plain = key._replace(constants=tuple(c for c in key.constants if c[0] not in TERM_SWITCHES))
+    if hopper is not None and plain != key:  # a term key (TERM_SWITCHES): the plain key's choice, untimed
+        choice = best_tile.get(plain) or _stored_choice(plain, candidates)
+        if choice is None or choice not in candidates:
+            choice, launched = first_that_fits(candidates, run)
+        else:
+            launched = run(choice)
+        best_tile[key] = choice
+        return choice, launched
     if key.Tq_bucket * key.Tk_bucket < TIMED_FROM:
         choice, launched = first_that_fits(candidates, run)
         best_tile[key] = choice
@@ -175,18 +192,28 @@ def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: i
 
 
 def backward_choice(tl_backward, hopper_backward, tiles: list[HopperBackwardTile], head_dim: int, causal: bool,
-                    documents: bool, dtype, Tq: int, Tk: int, call: tuple) -> HopperBackwardTile | None:
+                    documents: bool, dtype, Tq: int, Tk: int, call: tuple,
+                    terms: tuple[str, ...] = ()) -> HopperBackwardTile | None:
     """The backward for these sizes: None for the `tl` kernels (each with its own tuned tile, tuned_launch), or the
     Hopper kernel's tile. On the key's first call the candidates are timed, each run writing the gradients, which the
     caller's run then writes again. tl_backward() -> the `tl` plan; hopper_backward(tile) -> the Hopper kernel's
-    Launched; both plans take call."""
-    key = BackwardKey(head_dim, causal, documents, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk),
-                      tuple(tiles))
+    Launched; both plans take call. terms: the §15 switches the call has (TERM_SWITCHES' names): its key is then
+    (the plain key, terms), which takes the plain key's choice untimed (TERM_SWITCHES), so a plain key's is as it was."""
+    plain = BackwardKey(head_dim, causal, documents, dtype, triton.next_power_of_2(Tq), triton.next_power_of_2(Tk),
+                        tuple(tiles))
+    key = (plain, tuple(terms)) if terms else plain
     if key in best_backward:
         return best_backward[key]
     if not tuning_enabled():
         best_backward[key] = None
         return None
+    if terms:  # the plain key's choice, untimed; else the `tl` pair, the first candidate (TERM_SWITCHES)
+        if plain in best_backward:
+            best_backward[key] = best_backward[plain]
+        else:
+            stored = _stored_choice(plain, ["tl", *tiles])
+            best_backward[key] = None if stored in (None, "tl") else stored
+        return best_backward[key]
     # the `tl` pair is kept on disk as "tl" (a missing key reads None)
     candidates = ["tl", *tiles]
     choice = _stored_choice(key, candidates)
@@ -251,6 +278,8 @@ def tuned_choices(head_dim: int, causal: bool, dtype: torch.dtype, Tq: int, Tk: 
                 and all(constants.get(name) == value for name, value in dense.items())):
             found[key.kernel] = choice
     for key, choice in best_backward.items():
+        if not isinstance(key, BackwardKey):  # a key with §15's terms (backward_choice)
+            continue
         if (key.head_dim, key.causal, key.documents, key.dtype, key.Tq_bucket, key.Tk_bucket) == (
                 head_dim, causal, False, dtype, *buckets):
             found["bwd"] = choice  # whichever candidate tiles

@@ -14,7 +14,7 @@ import triton.language as tl
 from ..device import HAS_GLUON
 from ..launch import Launched, launch, planned
 from ..tl_tiles import LOG2E
-from .forward import forward_supports, tma_can_read
+from .forward import forward_supports, term_values, tma_can_read, with_term_values
 from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
                      HopperBackwardTile)
 
@@ -102,15 +102,18 @@ def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float)
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-             gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> Launched:
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
     forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
     as forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
     and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
-    reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. -> Launched: the compiled
-    main kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale, documents), the same three launches for tensors
-    shaped, strided and aligned like these (None for a gathered problem)."""
+    reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. term_args: §15's (softcap,
+    slopes, stride_slopes_b, stride_slopes_h) as dispatch._term_args gives them, None for a term the call does not
+    have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main kernel
+    and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three
+    launches for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
+    forward.term_values(term_args)'s."""
     B, Hq, T, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     row_src, given_dq_acc = gathered or (None, None)
@@ -162,28 +165,31 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
-                 *document_args(documents))
+                 *document_args(documents), *term_args)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
                         maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
     first_finish, finish_args = finish_dq(dq_acc, dq, T_pad, scale)
+    values = term_values(term_args)
     # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
     # launch.BoundLaunch), so again keeps no tensor of this call
-    first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, unit, *(documents or ()))
+    first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, unit, *values,
+                  *(documents or ()))
     plans = [planned(first.again, args, first_call) for first, args in ((first_prepare, prepare_args),
                                                                         (first_main, main_args),
                                                                         (first_finish, finish_args))]
     if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
-        def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
             lse_row, delta_row, dq_acc = buffers()
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
             first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main,
-                             scale, *document_args(documents))
+                             scale, *document_args(documents), *with_term_values(term_args, values_now))
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
     else:
-        def again(do, q, k, v, o, lse, dq, dk, dv, scale, documents=None):
-            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *(documents or ()))
+        def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
+            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *values_now,
+                    *(documents or ()))
             for plan in plans:
                 plan(*call)
     return Launched(first_main.compiled, again)

@@ -21,6 +21,21 @@ if HAS_GLUON:
     from .gluon_forward import attn_fwd_ws
 
 
+def term_values(term_args: tuple) -> tuple:
+    """§15 the values among the kernels' term arguments (softcap, the slopes, the sinks; their strides are the
+    plan's), those a call has: what a plan takes anew with every call."""
+    return tuple(term_args[i] for i in (0, 1, 4) if i < len(term_args) and term_args[i] is not None)
+
+
+def with_term_values(term_args: tuple, values: tuple) -> tuple:
+    """term_args with another call's values (term_values' order) in their places."""
+    given, args = iter(values), list(term_args)
+    for i in (0, 1, 4):
+        if i < len(args) and args[i] is not None:
+            args[i] = next(given)
+    return tuple(args)
+
+
 def tma_can_read(*tensors: torch.Tensor) -> bool:
     """Whether the copy engine (TMA) reads these tensors: unit stride along the head dim, every other stride
     and the start 16-byte aligned (also the `tl` forward's descriptor loads' rule, dispatch.use_tma)."""
@@ -44,7 +59,7 @@ def forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: b
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile,
             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-            row_src: torch.Tensor | None = None) -> Launched:
+            row_src: torch.Tensor | None = None, term_args: tuple = (None,) * 6) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: one of FORWARD_TILES. documents: (spans, ids) where attention
@@ -52,8 +67,11 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
     row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
     numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
-    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *documents), the
-    same launch for tensors shaped, strided and aligned like these (None for a gathered problem)."""
+    term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) as dispatch._term_args
+    gives them, None for a term the call does not have (the kernel's build is then the one without it).
+    -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *term values,
+    *documents), the same launch for tensors shaped, strided and aligned like these (None for a gathered problem);
+    the term values are term_values(term_args)'s, the terms' values of that call."""
     B, Hq, Tq, _ = o.shape  # the problem's query rows
     Hkv, Tk = k.shape[1], k.shape[2]
     if not tma_can_read(o):
@@ -75,14 +93,16 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
-    args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered)
+    args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered, *term_args)
     first = launch(attn_fwd_ws, (programs,), args, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
                    CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     if row_src is not None:
         return Launched(first.compiled, None)
-    plan = planned(first.again, args, (q, k, v, o, lse, scale, *(documents or ())))
+    values = term_values(term_args)
+    plan = planned(first.again, args, (q, k, v, o, lse, scale, *values, *(documents or ())))
     if plan is None:  # inputs that alias: each call's arguments anew (each descriptor's place takes its tensor)
-        def plan(q, k, v, o, lse, scale, *documents):
+        def plan(q, k, v, o, lse, scale, *rest):
+            documents = rest[len(values):]
             first.again(q, k, v, o, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents or None),
-                        *gathered)
+                        *gathered, *with_term_values(term_args, rest[:len(values)]))
     return Launched(first.compiled, plan)

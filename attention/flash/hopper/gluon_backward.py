@@ -57,7 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ..tl_tiles import LOG2E
-from .gluon_common import copy_load, document_span, gather_rows, row_sources, same_document, tma_load, tma_store
+from .gluon_common import (copy_load, document_span, gather_rows, row_sources, same_document, score_terms, tma_load,
+                           tma_store)
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
 
 # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded as they are (no swizzle)
@@ -236,11 +237,12 @@ def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, DQ_ACC, dq_sme
 def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
-                   heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids,
-                   ROWS_FIRST: gl.constexpr):
+                   heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES,
+                   stride_slopes_b, stride_slopes_h, ROWS_FIRST: gl.constexpr):
     """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
     of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
-    row values (row_values_first)."""
+    row values (row_values_first). §15 softcap, SLOPES (with its strides): FlashAttention's terms, None where the
+    call has none (attn_bwd_ws)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -276,6 +278,18 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # reaching before or past them are masked (all of them where the ids are not runs). The rows' spans are read
     # for masked tiles only, few of them, so that only these two stay in registers over the loop
     DOCUMENTS: gl.constexpr = SPANS is not None  # (None survives the hand-over to a partition as a constant)
+    # §15 softcap and ALiBi, each compiled in only where the call has it: the scores recomputed as the forward made
+    # them (score_terms) before the mask, and with softcap dS times 1 - tanh^2. Softcap needs S^T itself, so its S^T
+    # starts from zero even with ROWS_FIRST, and lse is subtracted after the cap (ALiBi's bias adds, so it does not
+    # mind). The sinks need nothing here: the lse the forward stored holds the sink's share, so P does too
+    SOFTCAP: gl.constexpr = softcap is not None
+    TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
+    # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s:
+    # with dP^T issued beside S^T as in the plain build, Triton 3.9's builds spilled 92 stores (157 with ALiBi too)
+    # against the plain build's 23; issued once P^T is, beside dV, 78 (30). Neither was timed (never run on a GPU).
+    # ROWS_FIRST reaches a partition as a value (int1), not a constant, so a choice the frontend makes reads the head
+    # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
+    LATE_DP: gl.constexpr = SOFTCAP and HEAD_DIM == 128
     rows_from, rows_end = 0, Tq
     if DOCUMENTS:
         rows_from, _ = document_span(SPANS, b, gl.minimum(first_key + KEYS, Tk) - 1, Tk)
@@ -290,6 +304,10 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         slot = t % STAGES
         buf = t % 2
         start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
+        slope = None
+        if SLOPES is not None:  # §15 the tile's query head's ALiBi slope, in S^T's units (score_terms): slope / scale
+            h_q = _query_tile(t, bh_kv, GROUP, first_m, per_head)[0] - b * H_kv * GROUP
+            slope = gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) / scale
         mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
         if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmmas that read them
             fence_async_shared()
@@ -300,14 +318,23 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         # with ROWS_FIRST (hs=128) S^T and dP^T start from -lse / scale and -Delta instead of zero and come out
         # with them subtracted: the (M,) values are spent before the wgmmas are issued, and take no registers
         # over the exp2s and dS, where the consumer's registers peak (row_values_first)
-        if ROWS_FIRST:
+        if SOFTCAP:  # §15 S^T itself, capped before lse is subtracted; dP^T from zero, or with LATE_DP later
+            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+            if not LATE_DP:
+                dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        elif ROWS_FIRST:
             delta = delta_smem.index(slot).load(row_layout)  # (M,)
             st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros - lse_row[None, :], is_async=True)
             dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros - delta[None, :], is_async=True)
         else:
             st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
             dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
+        if LATE_DP:
+            st = warpgroup_mma_wait(0, deps=[st_token])
+        else:
+            st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
+        if TERMS:  # §15 as the forward's scores, before the mask; tt = tanh(scale S / softcap), kept for dS
+            st, tt = score_terms(st, (start_m + rows_m + Tk - Tq)[None, :], keys[:, None], qk_scale, softcap, slope)
         # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it;
         # §14 and, with documents, tiles crossing a document's edge
         masked = first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1)
@@ -320,14 +347,29 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                 visible = visible & same_document(keys, rows, b, Tk, SPANS, IDS, stride_ids)
             st = gl.where(visible, st, float("-inf"))
         # §8 P^T = exp(scale * S^T - lse); 0 in padding rows (lse +inf)
-        pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
+        if LATE_DP:  # §15 softcap at hs=128: lse / scale subtracted after the cap, read from shared memory here
+            # rather than held in registers since the top of the tile (§13 "The row values in the accumulators")
+            pt = gl.exp2((st - lse_smem.index(slot).load(row_layout)[None, :]) * qk_scale)
+        elif SOFTCAP:  # at hs=64, lse in base 2
+            pt = gl.exp2(st * qk_scale - lse_row[None, :])
+        else:
+            pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
         pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
-        dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
-        if ROWS_FIRST:
-            dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
-        else:  # Delta loaded here, not with lse: held over the exp2s it pushes scalars out (§13)
+        if LATE_DP:  # §15 dP^T - Delta issued before dV, so that the wait below is for it
             delta = delta_smem.index(slot).load(row_layout)  # (M,)
-            dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
+            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros - delta[None, :], is_async=True)
+            dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
+            pt = pt * (1.0 - tt * tt)  # softcap's 1 - tanh^2 (below)
+            dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
+        else:
+            dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
+            if SOFTCAP:  # §15 through softcap * tanh(s / softcap): dS^T takes 1 - tanh^2, folded into P^T now (its
+                pt = pt * (1.0 - tt * tt)  # operand is issued) so that one (KEYS, M) tile, not two, waits for dP^T
+            if ROWS_FIRST:
+                dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
+            else:  # Delta loaded here, not with lse: held over the exp2s it pushes scalars out (§13)
+                delta = delta_smem.index(slot).load(row_layout)  # (M,)
+                dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
         dst = (pt * dpt).to(q_smem.dtype)  # §5 dS^T
         dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
@@ -398,34 +440,41 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
+                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     stride_slopes_h, ROWS_FIRST: gl.constexpr):
     _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
-                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                   stride_slopes_h, ROWS_FIRST)
 
 @gluon.jit
 def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST: gl.constexpr):
+                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     stride_slopes_h, ROWS_FIRST: gl.constexpr):
     _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
-                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                   stride_slopes_h, ROWS_FIRST)
 
 @gluon.jit
 def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
-                 SPANS, IDS, stride_ids, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, STAGES: gl.constexpr,
+                 ROWS_FIRST: gl.constexpr):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
     (ROW_SRC, §11) pointers to q and dO (B, H_src, T_src, D), each row of the problem reading its source row
     (_load_query_tiles), and to the pre-pass's (B*H_src*T_src,) rows.
     DQ_ACC: the float32 dQ buffer, a descriptor of (QUERY_BLOCK, dq_cols) blocks, or with ROW_SRC a pointer that each
-    row adds into at its source row (_add_dq_cols)."""
+    row adds into at its source row (_add_dq_cols).
+    §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
+    each None (a constant: the build is the one without it) where the call has none (_key_gradients)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
     dtype: gl.constexpr = k_desc.dtype
@@ -469,7 +518,8 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, ROWS_FIRST)
+                     Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     stride_slopes_h, ROWS_FIRST)
     gl.warp_specialize([
         (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
         (_key_gradients_1, consumer_args),

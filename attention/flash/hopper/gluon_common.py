@@ -100,3 +100,20 @@ def document_args(documents: tuple[torch.Tensor, torch.Tensor] | None) -> tuple:
     """The kernels' SPANS, IDS, stride_ids for documents (spans, ids) (§14), or None, None, 0."""
     spans, ids = documents or (None, None)
     return spans, ids, 0 if ids is None else ids.stride(0)
+
+@gluon.jit
+def score_terms(s, rows, keys, qk_scale, softcap, slope):
+    """§15 FlashAttention's terms on a tile of scores s, in S's own units (the raw q.k products, which the kernels
+    scale by qk_scale = scale * LOG2E in the exp2, §8): -> (s', t) with s' * qk_scale = LOG2E * (softcap * t + bias),
+    t = tanh(scale * s / softcap) (s' = s + bias / scale without softcap, and t then s itself, unused),
+    bias = -slope_h * |rows - keys|. rows, keys: the rows' positions among the keys (i + Tk - Tq) and the keys',
+    shaped to broadcast over s. softcap: a float, or None without it; slope: the head's ALiBi slope divided by scale,
+    or None. Entries a mask hides come out finite: the caller masks them after. tanh as tl_tiles.score_terms takes it,
+    from the exp2: exact at both ends, so no score turns NaN."""
+    t = s
+    if softcap is not None:
+        t = 1.0 - 2.0 / (gl.exp2(s * (2.0 * qk_scale / softcap)) + 1.0)
+        s = t * (softcap * 1.4426950408889634 / qk_scale)
+    if slope is not None:
+        s = s - slope * gl.abs(rows - keys).to(gl.float32)
+    return s, t

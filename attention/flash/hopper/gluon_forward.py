@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gluon_common import document_span, gather_rows, row_sources, same_document, tma_load, tma_store
+from .gluon_common import document_span, gather_rows, row_sources, same_document, score_terms, tma_load, tma_store
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
 
@@ -208,6 +208,26 @@ def _mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s
     return gl.where(visible, s, float("-inf"))
 
 @gluon.jit
+def _terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr):
+    """§15 softcap and ALiBi on the scores s (ROWS, N) of rows first_row ... and keys start_n ..., before the mask
+    (score_terms; shift = Tk - Tq aligns the rows among the keys bottom-right, §6), in S's units."""
+    rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
+    keys = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
+    return score_terms(s, rows[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+
+@gluon.jit
+def _fold_sink(acc, l_i, m_i, sink):
+    """§15 a sink of logit `sink` folded into the rows' finished online softmax (acc, l, m in base 2, §8), as one
+    more key of score sink and value 0 after the last tile: -> acc, l and m rescaled to m' = max(m, sink * LOG2E),
+    l' = l * exp2(m - m') + exp2(sink * LOG2E - m'). A row that saw no key gets l' = 1 (O = 0, lse = sink); a sink
+    of -inf changes nothing (l' = 0 stays: O = 0, lse = +inf, §8)."""
+    sink2 = sink * 1.4426950408889634
+    m_new = gl.maximum(m_i, sink2)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 no key and no sink: alpha 0, l stays 0
+    alpha = gl.exp2(m_i - m_ref)
+    return acc * alpha[:, None], l_i * alpha + gl.exp2(sink2 - m_ref), m_new
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """§2 the online softmax over one key tile's scores s (ROWS, N), as in tl_forward.fwd_tile: -> P, alpha
     (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
@@ -222,10 +242,12 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 @gluon.jit
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
-                  diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+                  diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                  SINK_LOGITS, stride_sinks):
     """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
     and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
-    attn_fwd_ws found no room for staging tiles, from registers (O and its strides)."""
+    attn_fwd_ws found no room for staging tiles, from registers (O and its strides). §15 softcap, SLOPES and
+    SINK_LOGITS (with their strides): FlashAttention's terms, each None where the call has none (attn_fwd_ws)."""
     K_STAGES: gl.constexpr = k_smem.shape[0]
     V_STAGES: gl.constexpr = v_smem.shape[0]
     SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
@@ -236,6 +258,11 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
     O_STAGED: gl.constexpr = o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)  # as allocated
     DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
+    # §15 FlashAttention's terms, each compiled in only where the call has it (None survives the hand-over to a
+    # partition as a constant): softcap and ALiBi change the scores before the mask and the max (_terms), the sink
+    # joins each row's denominator after the last tile (_fold_sink)
+    TERMS: gl.constexpr = softcap is not None or SLOPES is not None
+    SINKS: gl.constexpr = SINK_LOGITS is not None
     # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -266,6 +293,10 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                                                        BLOCK_M, DOCUMENTS)
         ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
         first_row = start_m + WG * ROWS
+        slope = None
+        if SLOPES is not None:  # §15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale
+            slope = gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
+                1.4426950408889634 / qk_scale)
         # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
         # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
         # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
@@ -310,6 +341,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                                 gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
         _k_done(k_empty, k_slot, SPLIT)
+        if TERMS:
+            s = _terms(s, first_row, first_tile * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
         if _needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
             s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
                            s_layout)
@@ -328,6 +361,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
             _k_done(k_empty, k_slot, SPLIT)
+            if TERMS:
+                s = _terms(s, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
             if _needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
                 s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
                                s_layout)
@@ -355,6 +390,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
             s_half = warpgroup_mma_wait(1, deps=[half_token])
             _k_done(k_empty, k_slot, SPLIT)
+            if TERMS:
+                s_half = _terms(s_half, first_row, n_full * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
             s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
                                 stride_ids, half_layout)
             p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
@@ -384,6 +421,9 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 
         # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
         l_o = gl.convert_layout(l_i, o_rows)
+        if SINKS:  # §15 the head's sink joins the denominator: l, m and O as if a key of score sink, value 0, came last
+            acc, l_o, m_i = _fold_sink(acc, l_o, gl.convert_layout(m_i, o_rows),
+                                       gl.load(SINK_LOGITS + (bh % H) * stride_sinks).to(gl.float32))
         seen = l_o > 0
         l_safe = gl.where(seen, l_o, 1.0)
         rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
@@ -413,38 +453,48 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 @gluon.jit
 def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    SINK_LOGITS, stride_sinks):
     _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC)
+                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  stride_sinks)
 
 @gluon.jit
 def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    SINK_LOGITS, stride_sinks):
     _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC)
+                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  stride_sinks)
 
 @gluon.jit
 def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC):
+                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    SINK_LOGITS, stride_sinks):
     _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC)
+                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  stride_sinks)
 
 @gluon.jit
 def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
                  scale, n_work, per_turn, SPANS, IDS, stride_ids, ROW_SRC, stride_qb, stride_qh, stride_qt, H_src,
-                 T_src, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                 T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks,
+                 BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                  V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
     walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
     consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     ROW_SRC: for a gathered problem (§11) the source row of each query row, Q then a pointer to q (B, H_src,
-    T_src, D) (_load_tiles); or None, Q a descriptor of the queries."""
+    T_src, D) (_load_tiles); or None, Q a descriptor of the queries.
+    §15 FlashAttention's terms, each None (a constant: the build is the one without it) where the call has none:
+    softcap (a float > 0), SLOPES (B or 1, H) float32 ALiBi slopes with their strides, SINK_LOGITS (H,) a sink
+    logit per head with its stride (_softmax_rows)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
     # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
@@ -485,7 +535,8 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
 
     consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                     scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC)
+                     scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b,
+                     stride_slopes_h, SINK_LOGITS, stride_sinks)
     producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
                      stride_qh, stride_qt, H_src, T_src)

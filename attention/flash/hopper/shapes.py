@@ -50,6 +50,13 @@ def document_tiles(head_dim: int) -> list[HopperForwardTile]:
     return [tile for tile in FORWARD_TILES[head_dim] if tile.consumers == 2]
 
 
+def term_tiles(head_dim: int) -> list[HopperForwardTile]:
+    """The tiles that take §15's terms (softcap, ALiBi, sinks): two consumers, as document_tiles. Three, with 160
+    registers each, spill far more with them (Triton 3.9, hs=64: softcap 388 spill stores against the plain build's
+    116; benchmarks/hopper_build.py --terms)."""
+    return [tile for tile in FORWARD_TILES[head_dim] if tile.consumers == 2]
+
+
 # Backward tiles per head dim; the tuner times them and picks per shape. At hs=128 the consumers' dK and dV alone take
 # 128 of their 240 registers: a third slot makes the build spill more and run slower, with or without the row values
 # in the accumulators (backward.row_values_first), so hs=128 has 2 (§13 "The price"). Staged dK and dV are faster on
