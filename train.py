@@ -447,7 +447,10 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
         n, pending, launched_at = launched
         result = pending.wait()
         now = time.perf_counter()
-        step_s, settled_at = now - max(settled_at, launched_at), now  # the step's share of the wall clock
+        # the step's span on the GPU's stream (training/step.py); on the CPU, where a step runs as it is launched,
+        # its share of the wall clock
+        step_s = result.device_ms / 1000 if result.device_ms is not None else now - max(settled_at, launched_at)
+        settled_at = now
         in_a_row = 0 if result.finite else in_a_row + 1
         skipped += not result.finite
         tokens_per_s = tokens_per_step / step_s

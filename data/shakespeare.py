@@ -2,13 +2,14 @@
 tokens are for training, the rest for validation, cut where a speech starts.
 
     python -m data.shakespeare                       # the repository's copy of the text -> data/shakespeare/
-    python -m data.shakespeare --input other.txt     # another text with speeches separated by blank lines (or .gz)
+    python -m data.shakespeare --input other.txt     # another text with speeches separated by blank lines (or .gz, .bz2)
 
-The text (1.1 MB, public domain) ships gzipped as data/assets/tinyshakespeare.txt.gz; unpacked, it is byte for byte
+The text (1.1 MB, public domain) ships bzip2-compressed as data/assets/tinyshakespeare.txt.bz2; unpacked, it is byte for byte
 char-rnn's https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt, so that
 preparing it, and the first `python train.py`, need no network.
 """
 import argparse
+import bz2
 import gzip
 import re
 import sys
@@ -20,7 +21,8 @@ import numpy as np
 from .shards import shard_path, write_index, write_shard
 from .tokenizer import EOT_TOKEN, get_encoding, to_uint16
 
-TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt.gz"  # shipped gzipped: a small repository
+TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt.bz2"  # shipped compressed: a small repository
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open}  # a compressed text, by its name's ending
 OUT_DIR = "data/shakespeare"  # the trainer's default data_dir: train.py prepares it on first use
 TRAIN_FRACTION = 0.9
 # speeches are separated by blank lines: a speech starts where a line with text follows one or more blank lines
@@ -28,8 +30,8 @@ SPEECH_START = re.compile(r"(?<=\n\n)(?=[^\n])")
 
 
 def read_text(path) -> str:
-    """A UTF-8 text file, gunzipped on the way if its name ends in .gz."""
-    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
+    """A UTF-8 text file, decompressed on the way if its name ends in .gz or .bz2."""
+    with OPENERS.get(Path(path).suffix, open)(path, "rt", encoding="utf-8") as f:
         return f.read()
 
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         text = read_text(args.input)
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
         sys.exit(f"data.shakespeare: error: cannot read --input {args.input} ({err}); pass a UTF-8 text file "
-                 "(gzipped if its name ends in .gz)")
+                 "(gzip or bzip2 if its name ends in .gz or .bz2)")
     command = " ".join(["python -m data.shakespeare", *(argv if argv is not None else sys.argv[1:])])
     print(summary(prepare(text, args.out_dir, command), args.out_dir))
 

@@ -95,7 +95,7 @@ def read_index(data_dir: str) -> dict:
                          "prepare the data (again): python -m data.shakespeare, or python -m data.fineweb")
     try:
         index = json.loads(open(path, "rb").read())
-        made_by, shards = index["made_by"], index["shards"]
+        _, shards = index["made_by"], index["shards"]  # both keys, or the index is damaged
         if not isinstance(shards, dict):
             raise TypeError("shards is not a table")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:

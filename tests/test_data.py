@@ -1,5 +1,6 @@
 """data/: tokenizer, shard writer, tiny shakespeare and FineWeb-Edu preparation, TokenLoader. No network: the GPT-2
 BPE and the tiny shakespeare text ship with the repository, and FineWeb documents are an in-memory list."""
+import bz2
 import gzip
 import itertools
 import json
@@ -172,15 +173,15 @@ def test_shakespeare_rejects_text_too_short_to_split(enc, tmp_path, text):
         shakespeare.prepare(text, str(tmp_path))
 
 
-def test_shakespeare_reads_a_gzipped_input_as_the_text(tmp_path):
-    with gzip.open(tmp_path / "play.txt.gz", "wt", encoding="utf-8") as f:
-        f.write(PLAY)
+def test_shakespeare_reads_a_compressed_input_as_the_text(tmp_path):
     (tmp_path / "play.txt").write_text(PLAY, encoding="utf-8")
-    for name in ("play.txt", "play.txt.gz"):
+    (tmp_path / "play.txt.gz").write_bytes(gzip.compress(PLAY.encode("utf-8")))
+    (tmp_path / "play.txt.bz2").write_bytes(bz2.compress(PLAY.encode("utf-8")))
+    for name in ("play.txt", "play.txt.gz", "play.txt.bz2"):
         shakespeare.main(["--input", str(tmp_path / name), "--out_dir", str(tmp_path / name.replace(".", "_"))])
-    for split in ("train", "val"):
+    for split, compressed in itertools.product(("train", "val"), ("play_txt_gz", "play_txt_bz2")):
         assert np.array_equal(np.load(tmp_path / "play_txt" / f"{split}_000000.npy"),
-                              np.load(tmp_path / "play_txt_gz" / f"{split}_000000.npy"))
+                              np.load(tmp_path / compressed / f"{split}_000000.npy"))
 
 
 def test_shakespeare_an_unreadable_input_is_one_line(tmp_path):
@@ -188,7 +189,7 @@ def test_shakespeare_an_unreadable_input_is_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [f"data.shakespeare: error: cannot read --input {tmp_path / 'missing.txt'} "
                                           f"([Errno 2] No such file or directory: '{tmp_path / 'missing.txt'}'); "
-                                          "pass a UTF-8 text file (gzipped if its name ends in .gz)"]
+                                          "pass a UTF-8 text file (gzip or bzip2 if its name ends in .gz or .bz2)"]
     (tmp_path / "plain.txt.gz").write_text(PLAY)  # named .gz, not gzipped
     result = run_cli("-m", "data.shakespeare", "--input", str(tmp_path / "plain.txt.gz"), "--out_dir", str(tmp_path))
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1

@@ -28,27 +28,34 @@ class StepResult(NamedTuple):
     grad_norm: float  # this rank's, before clipping
     stop_votes: float  # ranks asked to stop (SIGINT/SIGTERM)
     finite: bool  # False: the loss or gradient norm was not finite on some rank, and no update was made
+    device_ms: float | None  # on a GPU, the step's span on its stream: from its first work to its results landing
 
 
 class LaunchedStep:
     """A step whose work is queued on the device. values: [loss sum over ranks, stop votes, ranks not finite,
-    this rank's grad norm]; they are copied to the host behind the step's work, and wait() blocks until they land."""
+    this rank's grad norm]; they are copied to the host behind the step's work, and wait() blocks until they land.
+    started: an event recorded (with timing) before the step's first work on a GPU, else None."""
 
-    def __init__(self, values: torch.Tensor, world_size: int):
-        self.world_size, self.landed = world_size, None
-        if values.device.type == "cuda":
+    def __init__(self, values: torch.Tensor, world_size: int, started: torch.cuda.Event | None):
+        self.world_size, self.started, self.landed = world_size, started, None
+        if started is not None:
             self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.values.copy_(values, non_blocking=True)
-            self.landed = torch.cuda.Event()
+            self.landed = torch.cuda.Event(enable_timing=True)
             self.landed.record()
         else:
             self.values = values
 
     def wait(self) -> StepResult:
+        """The step's results, once they are on the host. Its time is the span between its two events on the stream,
+        which a wall clock read when the host gets there cannot give: with the next step queued first, the host
+        reaches a step late (the last one of a run, or after a slow log line) or early (while the GPU catches up)."""
+        device_ms = None
         if self.landed is not None:
             self.landed.synchronize()
+            device_ms = self.started.elapsed_time(self.landed)
         loss_total, stop_votes, ranks_not_finite, grad_norm = self.values.tolist()
-        return StepResult(loss_total / self.world_size, grad_norm, stop_votes, ranks_not_finite == 0)
+        return StepResult(loss_total / self.world_size, grad_norm, stop_votes, ranks_not_finite == 0, device_ms)
 
 
 class TrainStep:
@@ -72,6 +79,10 @@ class TrainStep:
     def __call__(self, lr: float, stop_requested: bool) -> LaunchedStep:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         with self.interruptible():
@@ -106,4 +117,4 @@ class TrainStep:
             self.optimizer.found_inf = (shared[2] > 0).float()  # read by the fused update on the device
             self.optimizer.step()
             del self.optimizer.found_inf
-        return LaunchedStep(torch.cat([shared, grad_norm.float().reshape(1)]), self.world_size)
+        return LaunchedStep(torch.cat([shared, grad_norm.float().reshape(1)]), self.world_size, started)
