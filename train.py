@@ -23,7 +23,6 @@ from urllib.parse import urlparse
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from attention import get_backend
@@ -34,9 +33,9 @@ from data.tokenizer import EOT_TOKEN, get_encoding
 from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
-from training.distributed import (LostRankError, World, broadcast_from_main, close_process_group, fsdp_no_sync,
-                                  full_state, gather_to_main, init_process_group, load_optimizer_state, local,
-                                  lost_contact, shard, sum_across_ranks, wait_for_all_ranks, world_from_env)
+from training.distributed import (LostRankError, World, broadcast_from_main, close_process_group, data_parallel,
+                                  fsdp_no_sync, full_state, gather_to_main, init_process_group, load_optimizer_state,
+                                  local, lost_contact, shard, sum_across_ranks, wait_for_all_ranks, world_from_env)
 from training.logger import RunLogger, format_skipped, format_step, peak_flops
 from training.step import TrainStep
 
@@ -391,9 +390,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     model = torch.compile(raw_model) if cfg.compile else raw_model
     no_sync = partial(fsdp_no_sync, raw_model) if sharded else None
     if distributed and not sharded:
-        # gradient_as_bucket_view: the gradients live in the buckets themselves, not copied in and out of them
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    bucket_cap_mb=cfg.ddp_bucket_mb, gradient_as_bucket_view=True)
+        model = data_parallel(model, device, cfg.ddp_bucket_mb, cfg.ddp_reduce_dtype)
         no_sync = model.no_sync
     optimizer_step = TrainStep(model, raw_model.parameters(), optimizer, scaler, train_loader.next_batch, autocast,
                                device, grad_accum, cfg.grad_clip, world.size, no_sync, cfg.nonfinite != "off",

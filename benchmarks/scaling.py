@@ -94,10 +94,11 @@ def plan(args) -> list[Run]:
     global_batch = per_gpu_seqs * seq_len * n
     steps = dict(max_steps=args.steps, warmup_steps=min(10, args.steps))
     common = {**base, **EVERY_RUN, "total_batch_size": global_batch, "dist_timeout": args.dist_timeout}
+    ddp_only = {} if args.ddp_reduce_dtype == "float32" else {"ddp_reduce_dtype": args.ddp_reduce_dtype}
     resume = n >= 4 or args.resume_check
     runs = []
     for g in gpu_counts(n):
-        settings = {**common, **steps}
+        settings = {**common, **steps, **ddp_only}
         if resume and g == n:  # its one checkpoint, resume_steps before the end; no checkpoint at the end
             settings["checkpoint_interval"] = args.steps - args.resume_steps
         runs.append(Run(f"ddp{g}", "ddp", g, "ddp", per_gpu_seqs, n // g, settings))
@@ -111,7 +112,7 @@ def plan(args) -> list[Run]:
     if resume:
         half = max(n // 2, 1)
         runs.append(Run(f"resume-ddp{half}", "resume", half, "ddp", per_gpu_seqs, n // half,
-                        {**common, **steps, "resume": True}, from_run=f"ddp{n}",
+                        {**common, **steps, **ddp_only, "resume": True}, from_run=f"ddp{n}",
                         from_step=args.steps - args.resume_steps))
     for run in runs:
         run.extra = list(args.train_args)
@@ -188,6 +189,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--against", type=Path, help="another session's results.json (e.g. 2 GPUs'): its FSDP2 figures "
                                                  "beside these in the report (ignored if missing)")
     p.add_argument("--tiny", action="store_true", help="the CPU rehearsal: a tiny GPT on CPU processes (gloo)")
+    p.add_argument("--ddp_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="train.py's --ddp_reduce_dtype for the DDP runs (default float32)")
     args = p.parse_args(ours)
     args.train_args = train_args
     if args.gpus is None:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+import torch
 from helpers import ROOT, cli_flags, cpu_env, read_metrics, run_cli, run_main, token_shards
 
 import train
@@ -186,3 +187,32 @@ def test_bad_parallel_settings_are_one_line(tmp_path, data_dir, capsys):
     assert status == 1 and err.strip().splitlines() == [
         "train.py: error: parallel=fsdp does not train in float16 (its loss scaler sees one shard); pass "
         "--dtype=bfloat16 or --dtype=float32, or --parallel=ddp"]
+
+
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_ddp_reduces_gradients_in_the_dtype_asked_for(reduce_dtype):
+    # one process in a gloo group of one: the all-reduce's mean is the rank's own gradient, rounded to bf16 on the
+    # way with --ddp_reduce_dtype=bfloat16, untouched in float32
+    import torch.distributed as dist
+
+    from training.distributed import data_parallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    model(x).square().sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = data_parallel(model, torch.device("cpu"), bucket_mb=1, reduce_dtype=reduce_dtype)
+        ddp(x).square().sum().backward()
+        reduced = [p.grad for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    for got, want in zip(reduced, plain):
+        assert got.dtype == torch.float32
+        expected = want.to(torch.bfloat16).float() if reduce_dtype == "bfloat16" else want
+        assert torch.equal(got, expected)
+    if reduce_dtype == "bfloat16":
+        assert any(not torch.equal(got, want) for got, want in zip(reduced, plain))  # the rounding is real

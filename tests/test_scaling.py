@@ -47,6 +47,12 @@ def test_the_plan_of_four_gpus_keeps_the_global_batch_and_resumes_at_two(tmp_pat
     two = scaling.plan(scaling.parse_args(["--gpus", "2", "--out_dir", str(tmp_path)]))
     assert [r.name for r in two] == ["ddp1", "ddp2", "fsdp2", "large-fsdp2"]  # a resume needs N >= 4 unless asked
     assert "checkpoint_interval=0" in " ".join(scaling.command(two[1], tmp_path))
+    assert all("ddp_reduce_dtype" not in flags_of(scaling.command(r, tmp_path)) for r in two)
+    bf16 = scaling.plan(scaling.parse_args(["--gpus", "4", "--out_dir", str(tmp_path), "--ddp_reduce_dtype",
+                                            "bfloat16"]))
+    for run in bf16:  # DDP's runs only: --parallel=fsdp refuses it
+        assert flags_of(scaling.command(run, tmp_path)).get("ddp_reduce_dtype") == (
+            "bfloat16" if run.parallel == "ddp" else None), run.name
 
 
 def test_the_runner_refuses_fewer_than_two_gpus_and_a_resume_longer_than_half(capsys):

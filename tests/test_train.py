@@ -514,6 +514,8 @@ def test_attention_settings_pass_the_chosen_backends_options_only():
     (["--min_lr=1e-2", "--learning_rate=1e-3"], "need 0 <= min_lr <= learning_rate"),
     (["--beta2=1.5"], "beta2 must be in [0, 1)"),
     (["--nonfinite=ignore"], "unknown nonfinite='ignore'; choose one of: skip, stop, off"),
+    (["--ddp_reduce_dtype=float16"], "unknown ddp_reduce_dtype='float16'; choose one of: float32, bfloat16"),
+    (["--ddp_reduce_dtype=bfloat16", "--parallel=fsdp"], "ddp_reduce_dtype is DDP's; --parallel=fsdp"),
     (["--max_skipped_steps=0"], "max_skipped_steps must be at least 1, got 0"),
     (["--tf32=maybe"], "--tf32 takes true/false/1/0"),
     (["configs/no_such_config.py"], "config file 'configs/no_such_config.py' not found"),

@@ -88,6 +88,9 @@ class TrainConfig:
     # DDP's gradient buckets: each is all-reduced as soon as the backward has filled it, and torch.compile splits the
     # model's graph at their edges; larger buckets mean fewer graph pieces and all-reduces (docs/perf_notes.md)
     ddp_bucket_mb: int = 100
+    # the dtype DDP all-reduces the gradients in: float32 (exact), or bfloat16 (half the bytes on the wire; each
+    # summed gradient rounded to bf16, the weights and the optimizer stay float32). Not with --parallel=fsdp
+    ddp_reduce_dtype: str = "float32"
     tf32: bool = True  # CUDA float32 matmuls on TF32 tensor cores (faster, ~1e-3 relative error); false: exact fp32
     seed: int = 1337
 
@@ -126,6 +129,11 @@ class TrainConfig:
             raise ConfigError(f"unknown dtype={self.dtype!r}; choose one of: auto, float32, bfloat16, float16")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"unknown parallel={self.parallel!r}; choose one of: ddp, fsdp")
+        if self.ddp_reduce_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"unknown ddp_reduce_dtype={self.ddp_reduce_dtype!r}; choose one of: float32, bfloat16")
+        if self.ddp_reduce_dtype != "float32" and self.parallel == "fsdp":
+            raise ConfigError("ddp_reduce_dtype is DDP's; --parallel=fsdp reduce-scatters float32 gradients: leave it at "
+                              "float32, or use --parallel=ddp")
         if not (self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ConfigError(f"unknown device={self.device!r}; choose one of: auto, cpu, cuda, cuda:N")
         if self.wandb and importlib.util.find_spec("wandb") is None:

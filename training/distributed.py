@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # rank 0 alone receives the gathered tensors, on the CPU: a GPU need not hold the whole model at once
 FULL_ON_MAIN = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -54,6 +55,30 @@ def shard(model: torch.nn.Module) -> None:
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device, bucket_mb: int, reduce_dtype: str) -> DDP:
+    """model under DDP: each bucket of bucket_mb of gradients is all-reduced as soon as the backward has filled it,
+    the gradients held in the buckets themselves (gradient_as_bucket_view: no copy in and out). reduce_dtype
+    "bfloat16": the all-reduce moves bf16, half the bytes of float32 (bf16_mean)."""
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
+              gradient_as_bucket_view=True)
+    if reduce_dtype == "bfloat16":
+        ddp.register_comm_hook(None, bf16_mean)
+    return ddp
+
+
+def bf16_mean(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's communication hook for reduce_dtype bfloat16: the bucket's float32 gradients, divided by the number of
+    ranks first (the sum then stays in range) and cast to bf16, are summed across the ranks, and the mean comes back
+    into the float32 bucket."""
+    grads = bucket.buffer()
+    reduced = (grads / dist.get_world_size()).to(torch.bfloat16)
+
+    def back_into_bucket(future: torch.futures.Future) -> torch.Tensor:
+        return grads.copy_(future.value()[0])
+
+    return dist.all_reduce(reduced, async_op=True).get_future().then(back_into_bucket)
 
 
 def broadcast_from_main(model: torch.nn.Module) -> None:
