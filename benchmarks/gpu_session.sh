@@ -40,20 +40,24 @@ for stage in "$@"; do
 triton.__version__)" | log ;;
   tests)  # every GPU-marked test (the kernels against float64 in bf16/fp16, determinism, compile), or those of the
           # files in $TESTS, then the Hopper kernels' sm_90 builds (registers, spills, wgmma), dense and with documents.
-          # Compiling kernels, not running them, takes the time: the files go to $TEST_SHARDS pytest processes
-          # (default 4) at once, spread over the machine's GPUs, each its own log; SIGINT at the limit makes every
-          # one print its failures and summary
-    files=$(grep -rl "mark.gpu" --include='test_*.py' ${TESTS:-tests} | sort)
+          # Compiling kernels, not running them, takes the time: the tests, dealt out one by one (so that no process
+          # gets a whole slow file), go to $TEST_SHARDS pytest processes (default 4) at once, spread over the
+          # machine's GPUs, each its own log; SIGINT at the limit makes every one print its failures and summary
+    ids=${OUT:-out}/tests.ids
+    python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests} 2>/dev/null | grep '^tests/.*::' \
+      > "$ids"
     gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
     shards=${TEST_SHARDS:-4}
     for i in $(seq 0 $((shards - 1))); do
-      mine=$(echo "$files" | awk -v i="$i" -v n="$shards" '(NR - 1) % n == i')
-      [ -n "$mine" ] || continue
+      mapfile -t mine < <(awk -v i="$i" -v n="$shards" '(NR - 1) % n == i' "$ids")  # ids may hold spaces
+      [ ${#mine[@]} -gt 0 ] || continue
       CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout -s INT "$SECONDS_LEFT" python3 -m pytest -q -m gpu -rfs \
-        -p no:cacheprovider --durations=5 $mine > "${OUT:-out}/tests.$i.log" 2>&1 &
+        -p no:cacheprovider --durations=5 "${mine[@]}" > "${OUT:-out}/tests.$i.log" 2>&1 &
     done
     wait
     for f in "${OUT:-out}"/tests.*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f"; done | log
+    # one file back from the machine, not one per shard (a device call returns a limited number of files)
+    [ -n "${OUT:-}" ] && tar czf "$OUT/tests.tgz" -C "$OUT" $(cd "$OUT" && ls tests.*.log) && rm -f "$OUT"/tests.*
     for build in "" "--backward" "--documents" "--documents --backward"; do
       TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build $build 2>&1 | grep '^{' | log
     done ;;
