@@ -44,7 +44,7 @@ triton.__version__)" | log ;;
           # gets a whole slow file), go to $TEST_SHARDS pytest processes (default 4) at once, spread over the
           # machine's GPUs, each its own log; SIGINT at the limit makes every one print its failures and summary
     ids=${OUT:-out}/tests.ids
-    python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests} 2>/dev/null | grep '^tests/.*::' \
+    python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider -o addopts="" ${TESTS:-tests} 2>/dev/null | grep '^tests/.*::' \
       > "$ids"
     gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
     shards=${TEST_SHARDS:-4}
@@ -52,7 +52,7 @@ triton.__version__)" | log ;;
       mapfile -t mine < <(awk -v i="$i" -v n="$shards" '(NR - 1) % n == i' "$ids")  # ids may hold spaces
       [ ${#mine[@]} -gt 0 ] || continue
       CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout -s INT "$SECONDS_LEFT" python3 -m pytest -q -m gpu -rfs \
-        -p no:cacheprovider --durations=5 "${mine[@]}" > "${OUT:-out}/tests.$i.log" 2>&1 &
+        -p no:cacheprovider -o addopts="" --durations=5 "${mine[@]}" > "${OUT:-out}/tests.$i.log" 2>&1 &
     done
     wait
     for f in "${OUT:-out}"/tests.*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f"; done | log
