@@ -18,6 +18,8 @@ Design (the kernels' comments cite docs/flash_attention.md by section):
 - flash_common.cuh: shared-memory tiles in 16-byte chunks XOR-swizzled by row (chunk ^ row % 8), so ldmatrix and
   cp.async hit distinct banks; the mma, ldmatrix and cp.async wrappers (inline PTX).
 - build.py: compiled on first use with nvcc and ninja for the GPU in use, cached by torch's extension cache.
+- Here: the kernels as operators, torch.ops.nanoflash.cuda_attention_fwd and _bwd, with fakes, so torch.compile keeps
+  them in its graph; the forward carries its autograd.
 """
 import torch
 
@@ -100,7 +102,7 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v with the CUDA kernels: q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
     scale defaults to 1/sqrt(D). The first call of a process builds (or loads from torch's cache) the extension."""
-    if not torch.compiler.is_compiling():  # a compiled graph's inputs were checked when it was traced
+    if not torch.compiler.is_compiling():  # the device query does not trace; compiled, binding.cpp's checks refuse
         check_cuda_support(q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
