@@ -80,7 +80,7 @@ triton.__version__)" | log ;;
     pack same_loss ;;
   seeds)  # bf16: three seeds per backend, the backend-to-backend difference against the seed spread (same_loss/bf16)
     shakespeare 2>&1 | log
-    timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --backends naive,sdpa,triton --seeds 1,2,3 \
+    timeout "$SECONDS_LEFT" python3 -m benchmarks.compare --backends naive,sdpa,triton,cuda --seeds 1,2,3 \
       --out_dir "$RESULTS/same_loss/bf16" --wandb false -- configs/shakespeare.py --compile=false --max_steps=200 \
       --eval_interval=50 --sample_interval=0 2>&1 | grep -v "it/s]" | tail -30 | log
     pack same_loss ;;

@@ -92,7 +92,7 @@ def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, di
         constants["softcap"] = None
     alibi = dict(SLOPES="*fp32", stride_slopes_b="i32", stride_slopes_h="i32")
     (signature if "alibi" in terms else constants).update(alibi if "alibi" in terms else dict.fromkeys(alibi))
-    if not backward:  # the backward reads the sink's share in lse (dispatch.sink_grad takes its gradient)
+    if not backward:  # the backward reads the sink's share in lse (terms.sink_grad takes its gradient)
         sinks = dict(SINK_LOGITS="*fp32", stride_sinks="i32")
         (signature if "sinks" in terms else constants).update(sinks if "sinks" in terms else dict.fromkeys(sinks))
     return signature, constants

@@ -162,8 +162,9 @@ def test_keep_rate_is_one_minus_p_and_counters_differ_per_score():
 
 
 def test_dropout_p_zero_is_the_plain_kernel_bit_for_bit():
-    dispatch, _ = _flash()
-    assert dispatch.terms_of(dropout_p=0.0) is dispatch.NO_TERMS
+    from attention.flash import terms as flash_terms
+
+    assert flash_terms.terms_of(dropout_p=0.0) is flash_terms.NO_TERMS
     torch.manual_seed(45)
     q, k, v = qkv(B=1, Hq=2, Hkv=1, Tq=37, Tk=53, D=16, dtype=torch.float16)
     do = torch.randn_like(q)
@@ -174,13 +175,14 @@ def test_dropout_p_zero_is_the_plain_kernel_bit_for_bit():
 
 
 def test_dropout_compiles_in_only_where_used_and_keeps_off_the_hopper_kernels():
-    dispatch, _ = _flash()
+    from attention.flash import terms as flash_terms
+
     q, k, v = qkv(D=16)
-    assert dispatch._term_args(dispatch.NO_TERMS, False) == (None,) * 6
-    terms = dispatch.terms_of(dropout_p=0.1, dropout_seed=torch.zeros(1, dtype=torch.int64))
+    assert flash_terms.term_args(flash_terms.NO_TERMS, False) == (None,) * 6
+    terms = flash_terms.terms_of(dropout_p=0.1, dropout_seed=torch.zeros(1, dtype=torch.int64))
     for kernel in ("fwd", "dq", "dkdv"):
-        assert dispatch._term_constants(terms, q, v, kernel) == dict(DROPOUT=True)
-    assert not dispatch.plain_call(terms, q, v)
+        assert flash_terms.term_constants(terms, q, v, kernel) == dict(DROPOUT=True)
+    assert not flash_terms.plain_call(terms, q, v)
 
 
 def test_launch_plans_take_each_calls_seed_and_p(monkeypatch):
@@ -231,12 +233,14 @@ def test_bad_dropout_fails_in_one_line(call, message):
 
 def test_ops_with_dropout_pass_opcheck():
     # the seed is the ops' last tensor argument: the same seed, the same mask in every run opcheck makes
+    from attention.flash import terms as flash_terms
     from attention.flash.autograd import _op_args, flash_attn_bwd, flash_attn_fwd
 
     dispatch, dropout = _flash()
     torch.manual_seed(52)
     q, k, v = qkv(Hq=4, Hkv=2, Tq=20, Tk=24, D=16)
-    rest = _op_args(dispatch.DENSE, None, dispatch.terms_of(dropout_p=0.3, dropout_seed=dropout.draw_seed(q.device)))
+    seed = dropout.draw_seed(q.device)
+    rest = _op_args(dispatch.DENSE, None, flash_terms.terms_of(dropout_p=0.3, dropout_seed=seed))
     torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25, *rest))
     out, lse = flash_attn_fwd(q, k, v, True, 0.25, *rest)
     torch.library.opcheck(flash_attn_bwd, (torch.randn_like(out), q, k, v, out, lse, True, 0.25, *rest))

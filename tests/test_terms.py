@@ -325,16 +325,16 @@ def test_launch_plans_take_each_calls_terms(monkeypatch):
 
 def test_terms_compile_in_only_where_used():
     # a call without the terms has the constexprs (so the tuning keys and shipped choices) it had before them
-    from attention.flash import dispatch
+    from attention.flash import terms as flash_terms
 
     q, k, v = qkv(D=24)
     for kernel in ("fwd", "dq", "dkdv"):
-        assert dispatch._term_constants(dispatch.NO_TERMS, q, v, kernel) == {}
-    assert dispatch._term_args(dispatch.NO_TERMS, True) == (None,) * 8  # dropout's two (§16) at the end
-    terms = dispatch.Terms(1.0, torch.ones(2), torch.ones(2))
-    assert dispatch._term_constants(terms, q, v[..., :16], "fwd") == dict(SOFTCAP=True, ALIBI=True, SINKS=True,
-                                                                          HEAD_DV=16, BLOCK_DV=16)
-    assert "SINKS" not in dispatch._term_constants(terms, q, v, "dkdv")  # it reads the sink's share in lse
+        assert flash_terms.term_constants(flash_terms.NO_TERMS, q, v, kernel) == {}
+    assert flash_terms.term_args(flash_terms.NO_TERMS, True) == (None,) * 8  # dropout's two (§16) at the end
+    terms = flash_terms.Terms(1.0, torch.ones(2), torch.ones(2))
+    assert flash_terms.term_constants(terms, q, v[..., :16], "fwd") == dict(SOFTCAP=True, ALIBI=True, SINKS=True,
+                                                                            HEAD_DV=16, BLOCK_DV=16)
+    assert "SINKS" not in flash_terms.term_constants(terms, q, v, "dkdv")  # it reads the sink's share in lse
 
 
 class HopperRan(Exception):
@@ -407,12 +407,13 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
 
 def test_ops_with_terms_pass_opcheck():
     from attention.flash import dispatch
+    from attention.flash import terms as flash_terms
     from attention.flash.autograd import _op_args, flash_attn_bwd, flash_attn_fwd
 
     torch.manual_seed(19)
     q, k, _ = qkv(Hq=4, Hkv=2, Tq=20, Tk=24, D=16)
     v = torch.randn(1, 2, 24, 32)
-    rest = _op_args(dispatch.DENSE, None, dispatch.Terms(2.0, slopes_for(1, 4), torch.randn(4)))
+    rest = _op_args(dispatch.DENSE, None, flash_terms.Terms(2.0, slopes_for(1, 4), torch.randn(4)))
     torch.library.opcheck(flash_attn_fwd, (q, k, v, True, 0.25, *rest))
     out, lse = flash_attn_fwd(q, k, v, True, 0.25, *rest)
     assert out.shape == (1, 4, 20, 32)

@@ -59,7 +59,7 @@ def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
     assert len(builds) == len(shapes.BACKWARD_TILES[head_dim]), builds  # one per tile
     for built in builds:
         assert built["setmaxnreg"] and built["tma_4d"] and built["hgmma"] > 0, built  # the structure §13 describes
-        assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (_tma_add)
+        assert built["bulk_reductions"] > 0, built  # dQ's adds by the copy engine (gluon_dq.tma_add)
         staged = built["tile"][1]
         assert built["tma_stores"] == (4 if staged else 0), built  # dK and dV of each warpgroup, by the copy engine
         if head_dim == 64:

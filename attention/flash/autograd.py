@@ -19,7 +19,7 @@ same ops as optional arguments (dispatch.MaskArgs): operators take tensors and n
 calls (§14, attention_varlen): their cu_seqlens and longest lengths (dispatch.Varlen).
 
 FlashAttention's terms (§15: softcap, ALiBi slopes, sinks; §16 dropout_p and its seed) are the ops' last arguments
-(dispatch.Terms); the backward ops return the sinks' gradient too (an empty tensor without sinks). The dropout seed is
+(Terms); the backward ops return the sinks' gradient too (an empty tensor without sinks). The dropout seed is
 a tensor argument, drawn by a random op before the forward op (dropout.draw_seed): a compiled graph draws it anew on
 every run, and the forward op's autograd context keeps it for the backward op.
 
@@ -32,6 +32,7 @@ import torch
 from . import dispatch
 from ..inputs import check_qkv, check_terms, unpack_qkv
 from .ops import define_op
+from .terms import NO_TERMS, Terms, plain_call, terms_of
 from ..block_mask import sequence_spans
 from .device import check_triton_support, is_hopper
 from .dropout import draw_seed
@@ -52,11 +53,11 @@ def _from_op_args(kv_blocks=None, q_blocks=None, document_ids=None, tile_bits=No
     window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     varlen = None if cu_seqlens_q is None else dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return (dispatch.MaskArgs(kv_blocks, q_blocks, window, document_ids, tile_bits, block_size, spans), varlen,
-            dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed))
+            terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed))
 
 
 def _op_args(mask: dispatch.MaskArgs, varlen: dispatch.Varlen | None = None,
-             terms: dispatch.Terms = dispatch.NO_TERMS) -> tuple:
+             terms: Terms = NO_TERMS) -> tuple:
     left, right = mask.window or (-1, -1)
     return (mask.kv_blocks, mask.q_blocks, mask.document_ids, mask.tile_bits, left, right, mask.block_size,
             mask.spans, *(varlen or (None, None, 0, 0)), *terms)
@@ -191,7 +192,7 @@ flash_attn_fwd_qkvpacked = define_op(
 
 
 def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch.MaskArgs,
-                     forward_key: tuple | None = None, terms: dispatch.Terms = dispatch.NO_TERMS):
+                     forward_key: tuple | None = None, terms: Terms = NO_TERMS):
     """-> dqkv (B, T, 3, H, D), contiguous: (B, T, 3C) as the qkv projection's backward takes it; and the sinks'
     gradient, None without sinks."""
     dqkv = qkv.new_empty(qkv.shape)
@@ -203,13 +204,13 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch
 class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd for the kernels (torch.compile takes the operators, module docstring). varlen: a
     dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). softcap, alibi_slopes, sinks: §15's
-    terms (dispatch.Terms); the sinks get a gradient. ctx.plan_key: the forward's plan key, which with dO's layout
+    terms (Terms); the sinks get a gradient. ctx.plan_key: the forward's plan key, which with dO's layout
     keys the backward's plan (dispatch.forward_key)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
                 alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+        terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
         o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, dropout_seed)
@@ -222,7 +223,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
-        terms = dispatch.terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed)
+        terms = terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed)
         grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
                                   forward_key=ctx.plan_key, terms=terms)
         return *grads[:3], None, None, None, None, None, None, grads[3] if sinks is not None else None, None, None
@@ -238,7 +239,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     def forward(ctx, qkv, causal: bool, scale: float, mask: dispatch.MaskArgs, softcap: float = 0.0,
                 alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
         q, k, v = unpack_qkv(qkv)
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
+        terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v, terms)
         o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
         ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks, dropout_seed)
@@ -251,7 +252,7 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         qkv, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
         dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key,
-                                        dispatch.terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed))
+                                        terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed))
         return dqkv, None, None, None, None, None, dsinks, None, None
 
 
@@ -314,7 +315,7 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
     mask = kernel_mask_args(mask)
     seed = draw_seed(q.device) if dropout_p else None
     if torch.compiler.is_compiling():  # the operators (module docstring)
-        terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, seed)
+        terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, seed)
         if qkv is not None:
             out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask, None, terms))
         else:
@@ -338,12 +339,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: i
     if v.shape[-1] != q.shape[-1]:
         check_triton_support(v)
     varlen = dispatch.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    terms = dispatch.terms_of(softcap, alibi_slopes, sinks, dropout_p, draw_seed(q.device) if dropout_p else None)
+    terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, draw_seed(q.device) if dropout_p else None)
     # §14 self-attention over packed sequences (one cu_seqlens for both) is documents in one batch entry: on Hopper
     # the warp-specialized kernels may run it, from each row's span (not with §15's terms, which they lack)
     spans = None
     if (window is None and cu_seqlens_q is cu_seqlens_k and q.shape[0] == k.shape[0]
-            and max_seqlen_q == max_seqlen_k and is_hopper(q.device) and dispatch.plain_call(terms, q, v)):
+            and max_seqlen_q == max_seqlen_k and is_hopper(q.device) and plain_call(terms, q, v)):
         spans = sequence_spans(cu_seqlens_q, q.shape[0])
     mask = dispatch.MaskArgs(window=window, spans=spans)
     if torch.compiler.is_compiling():  # the operators (module docstring)

@@ -34,6 +34,8 @@ from .launch import planned, remember
 from .tl_backward import attn_bwd_dkdv, attn_bwd_dq
 from .tl_forward import attn_fwd
 from .device import INTERPRET, has_tma
+from .terms import (NO_TERMS, Terms, hopper_call, plain_call, sink_grad, term_args, term_constants, term_values,
+                    with_values)
 from .tuner import backward_choice, tuned_launch, use_scratch_allocator
 
 TMA_MODE = os.environ.get("NANOFLASH_TMA", "0")
@@ -92,42 +94,6 @@ class MaskArgs(NamedTuple):
 DENSE = MaskArgs()
 
 
-class Terms(NamedTuple):
-    """§15: FlashAttention's terms a call adds to softmax attention, all off by default. The kernels compile each one
-    in only where a call uses it (a constexpr switch), so a call without them runs the kernels as they were."""
-    softcap: float = 0.0  # > 0: scores s become softcap * tanh(s / softcap)
-    alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq) float32: -slope * |i + Tk - Tq - j| added to scores
-    sinks: torch.Tensor | None = None  # (Hq,) a logit per head in every row's softmax denominator (forward only)
-    # §16 > 0: each probability dropped with this probability, the kept ones scaled by 1 / (1 - dropout_p), the mask
-    # drawn by Philox from dropout_seed ((1,) int64 on q's device, dropout.draw_seed's), regenerated in the backward
-    dropout_p: float = 0.0
-    dropout_seed: torch.Tensor | None = None
-
-
-NO_TERMS = Terms()
-
-
-def terms_of(softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-             dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None) -> Terms:
-    """Terms(softcap, alibi_slopes, sinks, dropout_p, dropout_seed), or NO_TERMS itself for a call without any: the
-    plain path tells it by identity (host time on every call)."""
-    if not softcap and alibi_slopes is None and sinks is None and not dropout_p:
-        return NO_TERMS
-    return Terms(softcap, alibi_slopes, sinks, dropout_p, dropout_seed if dropout_p else None)
-
-
-def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """No §15 term, no dropout (§16) and one head dim for q, k, v: what the Hopper kernels take."""
-    return (not terms.softcap and terms.alibi_slopes is None and terms.sinks is None and not terms.dropout_p
-            and v.shape[-1] == q.shape[-1])
-
-
-def hopper_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """What the Hopper kernels (§12, §13) compute of a dense call's terms: softcap, ALiBi and sinks (§15), compiled in
-    where a call has them; not dropout (§16) or a value head dim of its own, which only the `tl` kernels compute."""
-    return not terms.dropout_p and v.shape[-1] == q.shape[-1]
-
-
 def _hopper_takes(terms: Terms, q: torch.Tensor, v: torch.Tensor, varlen: "Varlen | None",
                   documents: tuple | None) -> bool:
     """Whether the call's terms let it on the Hopper kernels: a dense call (hopper_call), or documents without terms
@@ -135,50 +101,6 @@ def _hopper_takes(terms: Terms, q: torch.Tensor, v: torch.Tensor, varlen: "Varle
     if varlen is None:
         return hopper_call(terms, q, v)
     return documents is not None and plain_call(terms, q, v)
-
-
-def _term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:
-    """The §15 switches of a call's kernel ("fwd", "dq", "dkdv"), only those it turns on: a call without them has the
-    constants (and so the tuning keys, and the choices shipped for them, §9) it had before they existed."""
-    constants = {}
-    if terms.softcap:
-        constants["SOFTCAP"] = True
-    if terms.alibi_slopes is not None:
-        constants["ALIBI"] = True
-    if terms.sinks is not None and kernel != "dkdv":  # the forward's sink; the dQ kernel's rows for its gradient
-        constants["SINKS"] = True
-    if terms.dropout_p:  # §16, in all three kernels
-        constants["DROPOUT"] = True
-    if v.shape[-1] != q.shape[-1]:
-        constants.update(HEAD_DV=v.shape[-1], BLOCK_DV=triton.next_power_of_2(v.shape[-1]))
-    return constants
-
-
-def _term_args(terms: Terms, forward: bool) -> tuple:
-    """The kernels' softcap, SLOPES, stride_slopes_b, stride_slopes_h (and the forward's SINK_LOGITS, stride_sinks),
-    then dropout_p, SEED (§16): None where a term is off, which Triton compiles as a constant."""
-    slopes, sinks = terms.alibi_slopes, terms.sinks
-    slope_strides = (None, None) if slopes is None else (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
-    args = (terms.softcap or None, slopes, *slope_strides)
-    if forward:
-        args += (sinks, None if sinks is None else sinks.stride(0))
-    return args + (terms.dropout_p or None, terms.dropout_seed)
-
-
-def _term_values(terms: Terms, forward: bool) -> tuple:
-    """The values of the terms a call uses, in Terms' order, which its plan takes anew with every call."""
-    if terms is NO_TERMS:
-        return ()
-    return tuple(x for x in (terms.softcap or None, terms.alibi_slopes, terms.sinks if forward else None,
-                             terms.dropout_p or None, terms.dropout_seed) if x is not None)
-
-
-def _with_values(terms: Terms, values: tuple, forward: bool) -> Terms:
-    """terms with the values of another call of its plan (_term_values(terms, forward)'s)."""
-    given = iter(values)
-    used = (bool(terms.softcap), terms.alibi_slopes is not None, terms.sinks is not None and forward,
-            bool(terms.dropout_p), terms.dropout_seed is not None)
-    return Terms(*(next(given) if on else off for on, off in zip(used, NO_TERMS)))
 
 
 class Varlen(NamedTuple):
@@ -311,7 +233,7 @@ def forward(q, k, v, causal: bool, scale: float, mask: MaskArgs = DENSE, varlen:
     seqs = _cu_seqlens(varlen)
     key = key or forward_key(causal, mask, varlen, q, k, v, terms)
     _planned(key, lambda: _forward_plan(q, k, v, o, lse, causal, scale, mask, varlen, terms), q, k, v, o, lse, scale,
-             *_term_values(terms, True), *seqs)
+             *term_values(terms, True), *seqs)
     return o, lse
 
 
@@ -320,7 +242,7 @@ def _forward_args(q, k, v, o, lse, scale: float, mask: MaskArgs, varlen: Varlen 
     Hq, Hkv, Tq, Tk = q.shape[1], k.shape[1], _rows(q, varlen), _rows(k, varlen)
     return (q, k, v, o, lse, *_strides(q, varlen), *_strides(k, varlen), *_strides(v, varlen), *_strides(o, varlen),
             Hq, Hq // Hkv, Tq, Tk, scale, *_block_list_args(mask, mask.kv_blocks, Tq, Tk), *_sequence_args(varlen),
-            *_term_args(terms, True))
+            *term_args(terms, True))
 
 
 def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, varlen: Varlen | None,
@@ -340,24 +262,24 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
         tiles = (FORWARD_TILES[D] if terms is NO_TERMS else term_tiles(D)) if documents is None else document_tiles(D)
         # softcap, the slopes, the sinks and their strides (not dropout's); a plain call passes none (so the launch
         # takes its defaults, the plain build)
-        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, True)[:6])
+        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, True)[:6])
 
         def hopper_launch(tile):
             return hopper_forward.forward(*call, causal, scale, tile, documents, **given)
         if HOPPER_MODE == "1":
             return hopper_launch(tiles[0]).again  # (documents: no plan kept)
-        hopper = (tiles, hopper_launch, (*call, scale, *_term_values(terms, True), *(documents or ())))
+        hopper = (tiles, hopper_launch, (*call, scale, *term_values(terms, True), *(documents or ())))
     # §9: the tuner times each tile with descriptor loads and with pointer loads where both can run, and
     # §12 on Hopper the warp-specialized kernel's tiles beside them
     tma = varlen is None and use_tma(q, k, v, o)
     args = _forward_args(q, k, v, o, lse, scale, mask, varlen, terms)
-    constants = {**_constants(q, causal, mask, varlen), **_term_constants(terms, q, v, "fwd")}
+    constants = {**_constants(q, causal, mask, varlen), **term_constants(terms, q, v, "fwd")}
     choice, launched = tuned_launch("fwd", attn_fwd, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq), args,
                                     constants, Tq, Tk, q.dtype, _tiles_divide(mask),
                                     loads=("tma", "pointers") if tma else ("pointers",), hopper=hopper)
     if choice[1] == "hopper":
         return launched.again  # calls with documents keep no plan (_plan_key), so only dense ones repeat it
-    values = _term_values(terms, True)
+    values = term_values(terms, True)
     plan = None if tma else planned(launched.again, args, (q, k, v, o, lse, scale, *values, *_cu_seqlens(varlen)))
     if plan is not None:
         return plan
@@ -367,7 +289,7 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
             use_scratch_allocator()
         seqs = rest[len(values):]
         launched.again(*_forward_args(q, k, v, o, lse, scale, mask, varlen and Varlen(*seqs, *varlen[2:]),
-                                      _with_values(terms, rest[:len(values)], True)))
+                                      with_values(terms, rest[:len(values)], True)))
     return again
 
 
@@ -389,7 +311,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     seqs = _cu_seqlens(varlen)
     # §15 with sinks the dQ kernel writes each row's sum of P * dP here, for their gradient (sink_grad)
     sink_rows = None if terms.sinks is None else torch.empty_like(lse)
-    values = _term_values(terms, False) + (() if sink_rows is None else (sink_rows,))
+    values = term_values(terms, False) + (() if sink_rows is None else (sink_rows,))
     if forward_key is not None:
         key = ("bwd", forward_key, grads is not None, torch.are_deterministic_algorithms_enabled(), do.shape,
                do.stride(), do.dtype, do.data_ptr() % 16 == 0)
@@ -401,15 +323,6 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     if sink_rows is None:
         return dq, dk, dv
     return dq, dk, dv, sink_grad(terms.sinks, lse, sink_rows, varlen is not None)
-
-
-def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """§15 the sinks' gradient, d sink_h = -sum over head h's rows of P_sink * Delta: P_sink = exp(sink_h - lse) is
-    the sink's probability in the row, Delta = sum_j P_j dP_j (§5) as the dQ kernel summed it (exact products, fp32
-    sums: rowsum(dO * O) would carry O's rounding to the inputs' dtype into a sum over every row of the head).
-    lse, delta (B, Hq, Tq); varlen: (Hq, total_q)."""
-    p_sink = torch.exp(sinks.float()[:, None] - lse)  # (Hq, 1) against (B, Hq, Tq), or (Hq, total_q)
-    return (-(p_sink * delta).sum((1,) if varlen else (0, 2))).to(sinks.dtype)
 
 
 def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
@@ -431,8 +344,8 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
         # §15 softcap and ALiBi compiled in where the call has them
-        given = {} if terms is NO_TERMS else dict(term_args=_term_args(terms, False)[:4])
-        values = _term_values(terms, False)
+        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, False)[:4])
+        values = term_values(terms, False)
 
         def hopper(tile):
             """-> its Launched: a dense call's again is its plan; with documents (no plan kept, _plan_key) this call"""
@@ -448,7 +361,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
                                                         terms, sink_rows),
                                    hopper, tiles, D, causal, documents is not None, q.dtype, Tq, Tk,
                                    (do, q, k, v, o, lse, dq, dk, dv, scale, *values, *_cu_seqlens(varlen)),
-                                   tuple(name for name in _term_constants(terms, q, v, "fwd")))
+                                   tuple(name for name in term_constants(terms, q, v, "fwd")))
         if tile is not None:
             return hopper(tile).again
     return _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, mask, varlen, terms, sink_rows)
@@ -461,34 +374,34 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
     *sink rows, *cu_seqlens)."""
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, Hkv = q.shape[1], k.shape[1]
-    n_values = len(_term_values(terms, False))
+    n_values = len(term_values(terms, False))
     n_rows = int(terms.sinks is not None)  # the sinks' rows (backward)
 
     def args(do, q, k, v, o, lse, dq, dk, dv, delta, scale, *rest):
         """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
         call = varlen and Varlen(*rest[n_values + n_rows:], *varlen[2:])
-        term_args = _term_args(_with_values(terms, rest[:n_values], False), False)
+        kernel_terms = term_args(with_values(terms, rest[:n_values], False), False)
         sink_rows = rest[n_values] if n_rows else None
         rows_q, rows_k = _rows(q, varlen), _rows(k, varlen)
         seq_args = (Hq, Hq // Hkv, rows_q, rows_k, scale)
         strides = [_strides(t, varlen) for t in (q, k, v, o, do, dq, dk, dv)]
         sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
         return ((q, k, v, o, do, dq, lse, delta, *sq, *sk, *sv, *so, *sdo, *sdq, *seq_args,
-                 *_block_list_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call), *term_args,
+                 *_block_list_args(mask, mask.kv_blocks, rows_q, rows_k), *_sequence_args(call), *kernel_terms,
                  sink_rows),
                 (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
-                 *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call), *term_args))
+                 *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call), *kernel_terms))
     # Delta (shaped as lse) after the gradients: the plan allocates it anew with every call
-    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *_term_values(terms, False),
+    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *term_values(terms, False),
             *([sink_rows] if n_rows else []), *_cu_seqlens(varlen))
     dq_args, dkdv_args = args(*call)
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready
     _, dq_launched = tuned_launch("dq", attn_bwd_dq, lambda block_m, _: (triton.cdiv(Tq, block_m), B * Hq),
-                                  dq_args, {**constants, **_term_constants(terms, q, v, "dq")}, Tq, Tk, q.dtype,
+                                  dq_args, {**constants, **term_constants(terms, q, v, "dq")}, Tq, Tk, q.dtype,
                                   _tiles_divide(mask))
     _, dkdv_launched = tuned_launch("dkdv", attn_bwd_dkdv, lambda _, block_n: (triton.cdiv(Tk, block_n), B * Hkv),
-                                    dkdv_args, {**constants, **_term_constants(terms, q, v, "dkdv")}, Tq, Tk, q.dtype,
+                                    dkdv_args, {**constants, **term_constants(terms, q, v, "dkdv")}, Tq, Tk, q.dtype,
                                     _tiles_divide(mask))
     # a later call of the plan key fills its tensors' places in these arguments (launch.planned)
     dq_plan, dkdv_plan = planned(dq_launched.again, dq_args, call), planned(dkdv_launched.again, dkdv_args, call)

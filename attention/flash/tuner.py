@@ -41,12 +41,12 @@ SHIPPED_CHOICES = Path(__file__).parent / "tuned"  # benchmarks/tune.py writes t
 # - In ROUNDS rounds, the order rotating, its time the median of its rounds: timed once each in a fixed order, a
 #   candidate's time depends on the one before it.
 HEAT_MS, WARMUP_MS, REP_MS, ROUNDS = 100, 50, 25, 3
-# A key whose Tq and Tk buckets multiply to less than this is not timed but takes the first candidate that fits (for the backward, the `tl`
-# pair: the fewest launches): each head's kernel runs for microseconds, a call is host-bound, and the timings cannot
-# tell the candidates apart, while timing them compiles every one of them: seconds of a process's start-up, for a
-# sample's prefill of a short prompt say (docs/perf_notes.md, "Start-up").
+# A key whose Tq and Tk buckets multiply to less than this is not timed but takes the first candidate that fits (for
+# the backward, the `tl` pair: the fewest launches): each head's kernel runs for microseconds, a call is host-bound,
+# and the timings cannot tell the candidates apart, while timing them compiles every one of them: seconds of a
+# process's start-up, for a sample's prefill of a short prompt say (docs/perf_notes.md, "Start-up").
 TIMED_FROM = 256 * 256
-# §15 the switches of FlashAttention's terms that the Hopper kernels compile in (dispatch._term_constants). A key with
+# §15 the switches of FlashAttention's terms that the Hopper kernels compile in (terms.term_constants). A key with
 # them on, where the Hopper kernels are candidates, is not timed: it takes the choice of its plain key (the same key
 # without them) if that key has one, in this process or on disk (the shipped choices), else the first candidate that
 # fits (the `tl` kernels: for the backward the `tl` pair). The terms change no candidate, so the plain choice is one of

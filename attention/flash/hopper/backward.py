@@ -21,8 +21,9 @@ from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_B
 if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
 
-    from .gluon_backward import ROW_LAYOUT, attn_bwd_ws, dq_cols
+    from .gluon_backward import ROW_LAYOUT, attn_bwd_ws
     from .gluon_common import descriptor, document_args, shared_layout
+    from .gluon_dq import dq_cols
 
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
@@ -109,7 +110,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     as forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
     and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
     reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. term_args: §15's (softcap,
-    slopes, stride_slopes_b, stride_slopes_h) as dispatch._term_args gives them, None for a term the call does not
+    slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call does not
     have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main kernel
     and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three
     launches for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are

@@ -67,7 +67,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
     row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
     numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
-    term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) as dispatch._term_args
+    term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) as terms.term_args
     gives them, None for a term the call does not have (the kernel's build is then the one without it).
     -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *term values,
     *documents), the same launch for tensors shaped, strided and aligned like these (None for a gathered problem);

@@ -17,7 +17,7 @@ buffer scaled and rounded into dq) run around it.
                       turns, one computing the whole of dQ for even query tiles, the other for odd ones; at hs=128
                       each computes half of dQ's columns, dQ[:, half] = dS K[:, half], of every tile (warpgroup 1
                       one tile late). The result goes to a staging tile in shared memory that the copy engine adds
-                      into the float32 buffer (a TMA reduce, _tma_add) while the warpgroup goes on.
+                      into the float32 buffer (a TMA reduce: gluon_dq.py) while the warpgroup goes on.
 
 Every program adds into the dQ rows of its head, so the buffer's traffic is the kernel's largest (64 x D float32 per
 tile pair, as many bytes as its Q and dO loads). Programs run in groups of heads small enough that a group's buffer
@@ -47,11 +47,8 @@ The float32 adds land in an order that differs from run to run, so dQ's last bit
 bit-deterministic (dK and dV are). dispatch.backward takes the `tl` kernels where
 torch.use_deterministic_algorithms(True) asks for determinism.
 """
-import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
@@ -59,20 +56,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..tl_tiles import LOG2E
 from .gluon_common import (copy_load, document_span, gather_rows, row_sources, same_document, score_terms, tma_load,
                            tma_store)
+from .gluon_dq import add_dq_cols, dq_cols, dq_product, dq_targets
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
 
 # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded as they are (no swizzle)
 ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 # a gathered problem's lse and Delta rows, copied by the producer's warps (_gather_row_values)
 VALUES_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [GATHER_WARPS], [0]))
-
-
-@triton.constexpr_function
-def dq_cols(head_dim):
-    """The columns of a query tile's dQ a consumer warpgroup adds at once (in the kernel and on the host), and so
-    whether the warpgroups take turns (_key_gradients' TURNS): all of them at hs=64, where they do, half at
-    hs=128, where each adds half of every tile's."""
-    return head_dim if head_dim == 64 else head_dim // 2
 
 
 @gluon.jit
@@ -112,14 +102,6 @@ def _rows_of(kv_smem, WG: gl.constexpr):
     """Warpgroup WG's 64 key rows of a (KEY_BLOCK, D) K or V tile, as the (1, 1, 64, D) block a descriptor of
     (B, H, T, D) copies (reshaped before sliced: Gluon cannot reshape a slice)."""
     return kv_smem.reshape([1, 1, KEY_BLOCK, kv_smem.shape[1]]).slice(WG * KEYS, KEYS, dim=2)
-
-@builtin
-def _tma_add(desc, coord, src, _semantic=None):
-    """global[desc's block at coord] += shared memory src, by the copy engine (`cp.reduce.async.bulk.tensor
-    .add`): a thread issues it and goes on; tma.store_wait(n) waits until at most n such copies still read their
-    source. Triton 3.9 calls it tma.async_atomic_add; 3.6 has the operation but no Gluon name for it."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 @gluon.jit
 def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
@@ -182,55 +164,6 @@ def _gather_row_values(src, LSE, DELTA, lse_smem, delta_smem):
     src = gl.maximum(src, 0)
     copy_load(lse_smem, LSE + src, mask=real)
     copy_load(delta_smem, DELTA + src, mask=real)
-
-@gluon.jit
-def _dq_cols(u, ds_smem, k_cols, ds_ready):
-    """Issue dQ[:, cols] = dS K[:, cols] (M, C) of query tile u, k_cols being K's (N, C) columns cols, once both
-    halves of its dS^T are in buffer u % 2; -> the wgmma's token."""
-    COLS: gl.constexpr = k_cols.shape[1]
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, COLS, 16])  # 4 warps along the rows
-    mbarrier.wait(ds_ready.index(u % 2), (u // 2) & 1)
-    return warpgroup_mma(ds_smem.index(u % 2).permute((1, 0)), k_cols,
-                         gl.zeros([QUERY_BLOCK, COLS], gl.float32, dq_layout), use_acc=False, is_async=True)
-
-@triton.constexpr_function
-def _add_layout(cols):
-    """The layout a warpgroup adds a (QUERY_BLOCK, cols) dQ block from by atomics: four adjacent columns per thread,
-    so that each warp's add is two whole rows, 16-byte vectors (_add_dq_cols)."""
-    return gl.BlockedLayout([1, 4], [32 * 4 // cols, cols // 4], [4, 1], [1, 0])
-
-@gluon.jit
-def _dq_targets(ROW_SRC, bh, start_m, Tq, HEAD_DIM: gl.constexpr, COLS: gl.constexpr):
-    """Where each row of query tile start_m of query head bh adds its dQ: the offset of a row of the float32 buffer
-    (M,) (negative for none), whose index ROW_SRC (B*Hq*Tq,) holds (§11 "MoBA on the Hopper kernels": MoBA's rows
-    add into their queries'). In _add_layout, and whole multiples of HEAD_DIM, so that the adds go out four
-    columns at a time."""
-    rows = start_m + gl.arange(0, QUERY_BLOCK, layout=gl.SliceLayout(1, _add_layout(COLS)))  # (M,)
-    return gl.load(ROW_SRC + bh.to(gl.int64) * Tq + rows, mask=rows < Tq, other=-1).to(gl.int64) * HEAD_DIM
-
-@gluon.jit
-def _add_dq_cols(WG: gl.constexpr, u, n, dq, first_col, ds_empty, DQ_ACC, dq_smem, targets, bh, start_m, Tq_pad):
-    """Query tile u's dQ[:, first_col:] done, the warpgroup's n-th: free its dS^T buffer, and add dq into the
-    float32 buffer. Without targets the copy engine adds it into the rows of query head bh (DQ_ACC a descriptor)
-    from a staging tile; a warpgroup has STAGING of them (attn_bwd_ws), used in turn: the n-th is free once at most
-    STAGING - 1 reductions still read theirs. With targets (_dq_targets) the warpgroup adds it by atomics into
-    the rows they name (DQ_ACC a pointer), from _add_layout: each warp's add is two whole rows of the block, which
-    L2 adds sector by sector as it adds the copy engine's (from dq's own layout a warp's add would touch eight rows
-    two columns at a time: twice the instructions, and measured slower)."""
-    mbarrier.arrive(ds_empty.index(u % 2), count=1)
-    if targets is None:
-        STAGING: gl.constexpr = dq_smem.shape[0] // 2
-        staging = dq_smem.index(WG * STAGING + n % STAGING)  # (M, C)
-        tma.store_wait(STAGING - 1)
-        staging.store(dq)
-        fence_async_shared()  # the stores, visible to the copy engine
-        _tma_add(DQ_ACC, [bh * Tq_pad + start_m, first_col], staging)
-    else:
-        add_layout: gl.constexpr = _add_layout(dq.shape[1])
-        cols = first_col + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, add_layout))  # (C,)
-        gl.atomic_add(DQ_ACC + targets[:, None] + cols[None, :], gl.convert_layout(dq, add_layout),
-                      mask=(targets >= 0)[:, None], sem="relaxed")
 
 # One function, not phases, as gluon_forward._softmax_rows and for its reason (docs/perf_notes.md section 12).
 @gluon.jit
@@ -391,26 +324,26 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             takes_dq = u >= 0
             n_dq = u
         if takes_dq:
-            dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
+            dq_token = dq_product(u, ds_smem, k_dq, ds_ready)
             bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
             # the rows' targets are read while the matmuls run
             targets = (None if ROW_SRC is None else
-                       _dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+                       dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
             mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
-            _add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
+            add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
         else:  # not this warpgroup's turn (hs=64), or warpgroup 1's first tile at hs=128
             dv, dk = warpgroup_mma_wait(0, deps=[dv_token, dk_token])
             mbarrier.arrive(qdo_empty.index(slot), count=1)
     if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
         if n_tiles > 0:
             u = n_tiles - 1
-            dq_token = _dq_cols(u, ds_smem, k_dq, ds_ready)
+            dq_token = dq_product(u, ds_smem, k_dq, ds_ready)
             bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
             targets = (None if ROW_SRC is None else
-                       _dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+                       dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
             dq = warpgroup_mma_wait(0, deps=[dq_token])
-            _add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
+            add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
     tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
 
     # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
@@ -472,7 +405,7 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     (ROW_SRC, §11) pointers to q and dO (B, H_src, T_src, D), each row of the problem reading its source row
     (_load_query_tiles), and to the pre-pass's (B*H_src*T_src,) rows.
     DQ_ACC: the float32 dQ buffer, a descriptor of (QUERY_BLOCK, dq_cols) blocks, or with ROW_SRC a pointer that each
-    row adds into at its source row (_add_dq_cols).
+    row adds into at its source row (add_dq_cols).
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
     each None (a constant: the build is the one without it) where the call has none (_key_gradients)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]

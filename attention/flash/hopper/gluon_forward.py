@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gluon_common import document_span, gather_rows, row_sources, same_document, score_terms, tma_load, tma_store
+from .gluon_common import document_span, gather_rows, row_sources, tma_load, tma_store
+from .gluon_softmax import fold_sink, mask_keys, needs_mask, softmax_step, tile_terms
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
 
@@ -183,60 +184,6 @@ def _k_done(k_empty, slot, SPLIT: gl.constexpr):
     if SPLIT:
         mbarrier.arrive(k_empty.index(slot), count=1)
 
-@gluon.jit
-def _needs_mask(start_n, mask_from, every_from, BLOCK_N: gl.constexpr, DOCUMENTS: gl.constexpr):
-    """Whether the key tile at start_n holds a key some row of the warpgroup does not see: one past mask_from
-    (the first key not every row sees at the top, §6), or with DOCUMENTS one before every_from (the first key
-    every row's document holds, §14)."""
-    masked = start_n + BLOCK_N > mask_from
-    if DOCUMENTS:
-        masked = masked | (start_n < every_from)
-    return masked
-
-@gluon.jit
-def _mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_layout: gl.constexpr):
-    """s (ROWS, N) with -inf past each row's last visible key, min(row + diag, Tk - 1) (§6: diag = Tk - Tq
-    under the causal mask; Tk otherwise, when only a ragged last tile's zero rows are hidden), and with SPANS
-    (B, 2, Tq) (§14) outside each row's span (same_document)."""
-    BLOCK_N: gl.constexpr = s.shape[1]
-    rows = first_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
-    last_key = gl.minimum(rows + diag, Tk - 1)
-    keys = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,)
-    visible = keys[None, :] <= last_key[:, None]
-    if SPANS is not None:
-        visible = visible & same_document(rows, keys, b, Tq, SPANS, IDS, stride_ids)
-    return gl.where(visible, s, float("-inf"))
-
-@gluon.jit
-def _terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr):
-    """§15 softcap and ALiBi on the scores s (ROWS, N) of rows first_row ... and keys start_n ..., before the mask
-    (score_terms; shift = Tk - Tq aligns the rows among the keys bottom-right, §6), in S's units."""
-    rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
-    keys = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
-    return score_terms(s, rows[:, None], keys[None, :], qk_scale, softcap, slope)[0]
-
-@gluon.jit
-def _fold_sink(acc, l_i, m_i, sink):
-    """§15 a sink of logit `sink` folded into the rows' finished online softmax (acc, l, m in base 2, §8), as one
-    more key of score sink and value 0 after the last tile: -> acc, l and m rescaled to m' = max(m, sink * LOG2E),
-    l' = l * exp2(m - m') + exp2(sink * LOG2E - m'). A row that saw no key gets l' = 1 (O = 0, lse = sink); a sink
-    of -inf changes nothing (l' = 0 stays: O = 0, lse = +inf, §8)."""
-    sink2 = sink * 1.4426950408889634
-    m_new = gl.maximum(m_i, sink2)
-    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 no key and no sink: alpha 0, l stays 0
-    alpha = gl.exp2(m_i - m_ref)
-    return acc * alpha[:, None], l_i * alpha + gl.exp2(sink2 - m_ref), m_new
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
-    """§2 the online softmax over one key tile's scores s (ROWS, N), as in tl_forward.fwd_tile: -> P, alpha
-    (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
-    p = gl.exp2(s * qk_scale - m_ref[:, None])
-    alpha = gl.exp2(m_i - m_ref)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
 # One function, not phases: Gluon inlines @gluon.jit helpers, but split into them (its epilogue, say) the document
 # builds come out of ptxas scheduled and allocated otherwise (docs/perf_notes.md section 12): a split waits for a GPU.
 @gluon.jit
@@ -259,8 +206,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     O_STAGED: gl.constexpr = o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)  # as allocated
     DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
     # §15 FlashAttention's terms, each compiled in only where the call has it (None survives the hand-over to a
-    # partition as a constant): softcap and ALiBi change the scores before the mask and the max (_terms), the sink
-    # joins each row's denominator after the last tile (_fold_sink)
+    # partition as a constant): softcap and ALiBi change the scores before the mask and the max (tile_terms), the sink
+    # joins each row's denominator after the last tile (fold_sink)
     TERMS: gl.constexpr = softcap is not None or SLOPES is not None
     SINKS: gl.constexpr = SINK_LOGITS is not None
     # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
@@ -342,9 +289,9 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
         _k_done(k_empty, k_slot, SPLIT)
         if TERMS:
-            s = _terms(s, first_row, first_tile * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
-        if _needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-            s = _mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
+            s = tile_terms(s, first_row, first_tile * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
+        if needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+            s = mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
                            s_layout)
         m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
         p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -362,11 +309,11 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
             _k_done(k_empty, k_slot, SPLIT)
             if TERMS:
-                s = _terms(s, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
-            if _needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-                s = _mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
+                s = tile_terms(s, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
+            if needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
+                s = mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
                                s_layout)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
             # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
             # tensor cores fed for each other (§12 "Overlap inside a consumer")
@@ -391,10 +338,10 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             s_half = warpgroup_mma_wait(1, deps=[half_token])
             _k_done(k_empty, k_slot, SPLIT)
             if TERMS:
-                s_half = _terms(s_half, first_row, n_full * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
-            s_half = _mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
+                s_half = tile_terms(s_half, first_row, n_full * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
+            s_half = mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
                                 stride_ids, half_layout)
-            p_half, alpha, m_half, l_half = _softmax_step(s_half, gl.convert_layout(m_i, half_rows),
+            p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
                                                           gl.convert_layout(l_i, half_rows), qk_scale)
             m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
             acc = warpgroup_mma_wait(0, deps=[o_token])
@@ -422,7 +369,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
         l_o = gl.convert_layout(l_i, o_rows)
         if SINKS:  # §15 the head's sink joins the denominator: l, m and O as if a key of score sink, value 0, came last
-            acc, l_o, m_i = _fold_sink(acc, l_o, gl.convert_layout(m_i, o_rows),
+            acc, l_o, m_i = fold_sink(acc, l_o, gl.convert_layout(m_i, o_rows),
                                        gl.load(SINK_LOGITS + (bh % H) * stride_sinks).to(gl.float32))
         seen = l_o > 0
         l_safe = gl.where(seen, l_o, 1.0)
