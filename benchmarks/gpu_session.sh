@@ -57,7 +57,7 @@ triton.__version__)" | log ;;
     wait
     for f in "${OUT:-out}"/tests.*.log; do echo "-- $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f"; done | log
     # one file back from the machine, not one per shard (a device call returns a limited number of files)
-    [ -n "${OUT:-}" ] && tar czf "$OUT/tests.tgz" -C "$OUT" $(cd "$OUT" && ls tests.*.log) && rm -f "$OUT"/tests.*
+    [ -n "${OUT:-}" ] && tar czf "$OUT/tests.tgz" -C "$OUT" $(cd "$OUT" && ls tests.*.log) && rm -f "$OUT"/tests.*.log "$OUT"/tests.ids
     for build in "" "--backward" "--documents" "--documents --backward"; do
       TRITON_INTERPRET=0 python3 -m benchmarks.hopper_build $build 2>&1 | grep '^{' | log
     done ;;

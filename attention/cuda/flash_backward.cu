@@ -138,11 +138,9 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             for (int nb = 0; nb < BM / 16; ++nb) {
                 uint32_t bq[4], bo[4];
                 ldmatrix_x4(bq, b_pattern<D>(q_tile, nb * 16, kk * 16, lane));
-                E::mma(st[2 * nb], ak, bq[0], bq[1]);
-                E::mma(st[2 * nb + 1], ak, bq[2], bq[3]);
+                mma_16x16<T>(st[2 * nb], st[2 * nb + 1], ak, bq);
                 ldmatrix_x4(bo, b_pattern<D>(do_tile, nb * 16, kk * 16, lane));
-                E::mma(dpt[2 * nb], av, bo[0], bo[1]);
-                E::mma(dpt[2 * nb + 1], av, bo[2], bo[3]);
+                mma_16x16<T>(dpt[2 * nb], dpt[2 * nb + 1], av, bo);
             }
         }
 
@@ -165,21 +163,16 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // A fragments (flash_common.cuh); dO and Q (queries x D, k x n) are read with .trans as B
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            const uint32_t ap[4] = {E::pack(st[2 * kk][0], st[2 * kk][1]), E::pack(st[2 * kk][2], st[2 * kk][3]),
-                                    E::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                    E::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-            const uint32_t ads[4] = {E::pack(dpt[2 * kk][0], dpt[2 * kk][1]), E::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                     E::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                     E::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+            uint32_t ap[4], ads[4];
+            a_from_c<T>(ap, st[2 * kk], st[2 * kk + 1]);
+            a_from_c<T>(ads, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
             for (int dn = 0; dn < D / 16; ++dn) {
                 uint32_t bo[4], bq[4];
                 ldmatrix_x4_trans(bo, a_pattern<D>(do_tile, kk * 16, dn * 16, lane));
-                E::mma(dv[2 * dn], ap, bo[0], bo[1]);
-                E::mma(dv[2 * dn + 1], ap, bo[2], bo[3]);
+                mma_16x16<T>(dv[2 * dn], dv[2 * dn + 1], ap, bo);
                 ldmatrix_x4_trans(bq, a_pattern<D>(q_tile, kk * 16, dn * 16, lane));
-                E::mma(dk[2 * dn], ads, bq[0], bq[1]);
-                E::mma(dk[2 * dn + 1], ads, bq[2], bq[3]);
+                mma_16x16<T>(dk[2 * dn], dk[2 * dn + 1], ads, bq);
             }
             // dS^T to shared memory (keys x queries), for the dQ product below, which needs all 64 keys
 #pragma unroll
@@ -202,8 +195,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
                 uint32_t bk[4];
                 ldmatrix_x4_trans(bk, a_pattern<D>(s_k, kk * 16, dq_col + dn * 16, lane));
-                E::mma(dq[2 * dn], a, bk[0], bk[1]);
-                E::mma(dq[2 * dn + 1], a, bk[2], bk[3]);
+                mma_16x16<T>(dq[2 * dn], dq[2 * dn + 1], a, bk);
             }
         }
 #pragma unroll

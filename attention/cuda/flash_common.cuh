@@ -64,6 +64,25 @@ struct Element<__nv_bfloat16> {
     }
 };
 
+// A 16 x 16 product tile as two mma.sync: C0 += A B[.., 0:8] and C1 += A B[.., 8:16], b holding the two 16 x 8 B
+// fragments one ldmatrix_x4 reads (b[0..1] and b[2..3])
+template <typename T>
+__device__ __forceinline__ void mma_16x16(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[4]) {
+    Element<T>::mma(c0, a, b[0], b[1]);
+    Element<T>::mma(c1, a, b[2], b[3]);
+}
+
+// Two C tiles side by side (c0 the columns 0-7, c1 the columns 8-15) as the A fragment of the next product, rounded
+// to T (the layouts above)
+template <typename T>
+__device__ __forceinline__ void a_from_c(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = Element<T>::pack(c0[0], c0[1]);
+    a[1] = Element<T>::pack(c0[2], c0[3]);
+    a[2] = Element<T>::pack(c1[0], c1[1]);
+    a[3] = Element<T>::pack(c1[2], c1[3]);
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Shared-memory tiles: ROWS x COLS elements, row-major, each row cut in 16-byte chunks of 8 elements whose order is
 // XOR-swizzled by the row number.

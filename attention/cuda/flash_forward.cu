@@ -81,8 +81,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             for (int nb = 0; nb < BN / 16; ++nb) {
                 uint32_t bk[4];
                 ldmatrix_x4(bk, b_pattern<D>(k_tile, nb * 16, kk * 16, lane));
-                E::mma(s[2 * nb], a, bk[0], bk[1]);
-                E::mma(s[2 * nb + 1], a, bk[2], bk[3]);
+                mma_16x16<T>(s[2 * nb], s[2 * nb + 1], a, bk);
             }
         }
 
@@ -135,15 +134,13 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         // §3 a += P V: two C tiles of P are one A fragment (flash_common.cuh), cast to the inputs' dtype (§8)
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const uint32_t a[4] = {E::pack(s[2 * kk][0], s[2 * kk][1]), E::pack(s[2 * kk][2], s[2 * kk][3]),
-                                   E::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   E::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            uint32_t a[4];
+            a_from_c<T>(a, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
             for (int dn = 0; dn < D / 16; ++dn) {
                 uint32_t bv[4];
                 ldmatrix_x4_trans(bv, a_pattern<D>(v_tile, kk * 16, dn * 16, lane));
-                E::mma(acc[2 * dn], a, bv[0], bv[1]);
-                E::mma(acc[2 * dn + 1], a, bv[2], bv[3]);
+                mma_16x16<T>(acc[2 * dn], acc[2 * dn + 1], a, bv);
             }
         }
         __syncthreads();  // every warp is done with buffer buf before iteration j + 1 refills it
