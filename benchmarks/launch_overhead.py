@@ -4,7 +4,7 @@ process, rounds rotating, medians, triton twice (an A/A pair: the run's own nois
 A kernel whose host-side launch path takes longer than its GPU work leaves the GPU idle between calls: at small
 shapes (a tiny one, where GPU work is negligible, and GPT-2's B=16, nh=12, T=1024) that, not the kernel, sets the speed.
 
-    python -m benchmarks.launch_overhead                   # the table: host us per call, and do_bench us per call
+    python -m benchmarks.launch_overhead                   # the table: host us per call, and wall us per call
     python -m benchmarks.launch_overhead --out_dir DIR     # also DIR/results.json and DIR/results.md
     python -m benchmarks.launch_overhead --timeline        # where an eager forward+backward's host time goes
     python -m benchmarks.launch_overhead --profile         # cProfile's top functions of triton's forward+backward
@@ -23,14 +23,16 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
 from benchmarks.report import write_results
 
-def host_us(fn, calls=200) -> float:
-    """Mean host time per call with the GPU kept busy, so no call waits for the device."""
+def host_us(fn, calls=40) -> tuple[float, float]:
+    """-> (host, wall) us per call over `calls` calls in a row: host until the last call returns, wall until the GPU
+    has run them too (the slower of host and GPU, as a user's loop of eager calls sees it). Host time as long as the
+    launch queue does not fill (a few launches per call). Short runs in many rounds (measure) give medians that move
+    less with the machine's moods than long runs in few."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -38,7 +40,8 @@ def host_us(fn, calls=200) -> float:
         fn()
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
-    return 1e6 * host / calls
+    wall = time.perf_counter() - t0
+    return 1e6 * host / calls, 1e6 * wall / calls
 
 
 # The spans of one eager forward+backward, from the call to the return of torch.autograd.grad; for the triton backend
@@ -133,9 +136,8 @@ def make_call(backend: str, kernel, q, k, v, do, grad: bool):
 
 
 def measure(shapes: dict, rounds: int) -> list[dict]:
-    """-> a row per (shape, pass, backend): median host us per call over rounds (backends in rotating order) and
-    do_bench's median us per call (GPU-clocked wall time of back-to-back calls: what the slower of host and GPU
-    gives)."""
+    """-> a row per (shape, pass, backend): median host and wall us per call (host_us) over rounds, the backends in
+    rotating order."""
     rows = []
     for shape_name, (B, nh, T, hs) in shapes.items():
         qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16)
@@ -144,26 +146,26 @@ def measure(shapes: dict, rounds: int) -> list[dict]:
         for grad in (False, True):
             calls = {name: make_call(backend, kernel, q, k, v, do, grad)
                      for name, (backend, kernel) in BACKENDS.items()}
-            host = {name: [] for name in calls}
+            times = {name: [] for name in calls}
             for r in range(rounds):
                 names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
                 for name in names:
-                    host[name].append(host_us(calls[name]))
+                    times[name].append(host_us(calls[name]))
             for name, call in calls.items():
                 rows.append(dict(shape=shape_name, B=B, nh=nh, T=T, hs=hs, pass_="fwd+bwd" if grad else "fwd",
-                                 backend=name, host_us=statistics.median(host[name]),
-                                 bench_us=1e3 * triton.testing.do_bench(call, return_mode="median")))
+                                 backend=name, host_us=statistics.median(t[0] for t in times[name]),
+                                 wall_us=statistics.median(t[1] for t in times[name])))
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | pass | " + " | ".join(BACKENDS) + " | triton / cuDNN (host) | cuDNN / triton (do_bench) |",
+    lines = ["| shape | pass | " + " | ".join(BACKENDS) + " | triton / cuDNN (host) | cuDNN / triton (wall) |",
              "|---" * (len(BACKENDS) + 4) + "|"]
     for (shape, pass_) in dict.fromkeys((r["shape"], r["pass_"]) for r in rows):
         cells = {r["backend"]: r for r in rows if (r["shape"], r["pass_"]) == (shape, pass_)}
-        host = " | ".join(f"{cells[name]['host_us']:.0f} ({cells[name]['bench_us']:.0f})" for name in BACKENDS)
+        host = " | ".join(f"{cells[name]['host_us']:.0f} ({cells[name]['wall_us']:.0f})" for name in BACKENDS)
         lines.append(f"| {shape} | {pass_} | {host} | {cells['triton']['host_us'] / cells['cudnn']['host_us']:.2f} | "
-                     f"{cells['cudnn']['bench_us'] / cells['triton']['bench_us']:.2f}x |")
+                     f"{cells['cudnn']['wall_us'] / cells['triton']['wall_us']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -182,7 +184,7 @@ def profile(q, k, v, do) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out_dir", default=None, help="write results.json and results.md here")
     p.add_argument("--profile", action="store_true", help="cProfile's top functions of triton at the tiny shape")
     p.add_argument("--timeline", action="store_true",
@@ -200,7 +202,7 @@ def main(argv=None):
             profile(q, k, v, do)
         return
     rows = measure(SHAPES, args.rounds)
-    text = (f"{torch.cuda.get_device_name()}, bf16 causal, eager; host us per call (do_bench us per call), medians of "
+    text = (f"{torch.cuda.get_device_name()}, bf16 causal, eager; host us per call (wall us per call), medians of "
             f"{args.rounds} rotating rounds; triton-again: the A/A pair\n\n{table(rows)}")
     print(text)
     if args.out_dir:

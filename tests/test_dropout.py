@@ -89,8 +89,8 @@ def test_triton_dropout_with_every_term_matches_fp64():
 
 
 def test_triton_varlen_dropout_matches_fp64_with_its_mask():
-    # the varlen kernels count the packed rows and k's rows: sequence i's mask is its block of keep_mask's
-    # (1, H, total_q, total_k)
+    # the varlen kernels count the packed rows and each sequence's own keys: sequence i's mask is its rows of
+    # keep_mask's (1, H, total_q, total_k), its first seq_k columns
     from attention.reference.naive import naive_attention
 
     _, dropout = _flash()
@@ -110,7 +110,7 @@ def test_triton_varlen_dropout_matches_fp64_with_its_mask():
         pieces = []
         for (q0, q1), (k0, k1) in zip(zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])):
             sq, sk, sv = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
-            y = naive_attention(sq, sk, sv, True, 16 ** -0.5, dropout_p=p, keep=keep[None, :, q0:q1, k0:k1])
+            y = naive_attention(sq, sk, sv, True, 16 ** -0.5, dropout_p=p, keep=keep[None, :, q0:q1, :k1 - k0])
             pieces.append(y[0].transpose(0, 1))
         return torch.cat(pieces)
 

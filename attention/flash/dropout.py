@@ -41,7 +41,8 @@ def recording():
 def keep_mask(seed: torch.Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p: float) -> torch.Tensor:
     """(B, H, Tq, Tk) bool, True where a dense call of these sizes with this seed keeps a probability (§16), from the
     kernels' own counters (tl_tiles.py: dropout_mask). A varlen call's mask is keep_mask(seed, 1, H, total_q, total_k,
-    p): sequence i's block is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], columns cu_seqlens_k[i]:cu_seqlens_k[i + 1]."""
+    p): sequence i's block is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], its first cu_seqlens_k[i + 1] -
+    cu_seqlens_k[i] columns (the kernels count each sequence's keys from 0)."""
     import triton
 
     from .tl_tiles import dropout_mask

@@ -28,7 +28,7 @@ def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stri
     as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
     (N, M) mask, or None for a tile that needs none. §15: k_col (N, 1) the keys' positions, shift = Tk - Tq,
     softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: dO's and V's columns where V's
-    head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, first, the keys' columns (N, 1), n_cols,
+    head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, row0, the keys' columns k_pos (N,), n_cols,
     dropout_p) of dropout_keep, with DROPOUT; the caller scales dV by 1 / (1 - p) once."""
     q = load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
     if cols_v is None:
@@ -48,8 +48,8 @@ def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stri
     if visibleT is not None:
         pT = tl.where(visibleT, pT, 0.0)
     if DROPOUT:  # §16 dV += (P * Z)^T dO, the mask regenerated from the scores' counters
-        seed, first, k_cols, n_cols, dropout_p = drop
-        keepT = dropout_keep(seed, first, q_pos[None, :], k_cols, n_cols, dropout_p)  # (N, M)
+        seed, row0, k_pos, n_cols, dropout_p = drop
+        keepT = tl.trans(dropout_keep(seed, row0, q_pos[:, None], k_pos, n_cols, dropout_p))  # (N, M)
         dv = tl.dot(tl.where(keepT, pT, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     else:
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # dV += P^T dO   (N, D)
@@ -130,8 +130,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
         slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
         drop = None
         if DROPOUT:  # §16 query head h's counters
-            seed, first = dropout_first(SEED, b, h, H, stat_rows, q_start, k_start, n_cols, VARLEN)
-            drop = (seed, first, k_pos[:, None], n_cols, dropout_p)
+            seed, row0 = dropout_first(SEED, b, h, H, stat_rows, q_start, VARLEN)
+            drop = (seed, row0, k_pos, n_cols, dropout_p)
         if SPARSE:
             # §10: the query blocks the block mask lists for this key block (and head), FULL then PARTIAL
             row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_n, n_blocks,
@@ -208,8 +208,8 @@ def dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (M, N)
     if DROPOUT:  # §16 as in dkdv_tile: dP * Z / (1 - p), from the same counters
-        seed, first, rows, n_cols, dropout_p = drop
-        keep = dropout_keep(seed, first, rows, k_pos[None, :], n_cols, dropout_p)
+        seed, row0, rows, n_cols, dropout_p = drop
+        keep = dropout_keep(seed, row0, rows, k_pos, n_cols, dropout_p)
         dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     if SINKS:  # §15 Delta as sum_j P dP, in fp32 from exact products (the sinks' gradient)
         pdp += tl.sum(p * dp, 1)
@@ -252,7 +252,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     drop = None
     if DROPOUT:  # §16 as in the forward
         n_cols = Tk
-        seed, first = dropout_first(SEED, b, h, H, Tq, q_start, k_start, n_cols, VARLEN)
+        seed, row0 = dropout_first(SEED, b, h, H, Tq, q_start, VARLEN)
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_m >= Tq:  # §14 as in the forward
@@ -291,7 +291,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1)
     pdp = tl.zeros([BLOCK_M], tl.float32)  # (M,) §15 each row's sum of P * dP, summed with SINKS only
     if DROPOUT:
-        drop = (seed, first, q_pos[:, None], n_cols, dropout_p)
+        drop = (seed, row0, q_pos[:, None], n_cols, dropout_p)
 
     if SPARSE:  # §10, the same key blocks as the forward pass visited
         row, n_full, n_listed = listed_row(BLOCKS, b, h, stride_blocks_b, stride_blocks_h, start_m, n_blocks,

@@ -24,7 +24,7 @@ def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, strid
     running sum l_i and unnormalised output acc. visible: the (M, N) mask of a tile that needs one;
     None for a tile every row sees whole (then no mask is built and no load is bounds-checked).
     §15: q_abs (M, 1), softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: V's columns
-    where its head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, first, rows (M, 1), n_cols, dropout_p)
+    where its head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, row0, rows (M, 1), n_cols, dropout_p)
     of dropout_keep, with DROPOUT."""
     k = load_tile(K, start_n, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
     if cols_v is None:
@@ -53,8 +53,8 @@ def fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, strid
     alpha = tl.exp2(m_i - m_ref)  # (M,)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:  # §16 l sums every P; a dropped one weighs no value (attn_fwd scales the kept by 1 / (1 - p))
-        seed, first, rows, n_cols, dropout_p = drop
-        p = tl.where(dropout_keep(seed, first, rows, k_pos[None, :], n_cols, dropout_p), p, 0.0)
+        seed, row0, rows, n_cols, dropout_p = drop
+        p = tl.where(dropout_keep(seed, row0, rows, k_pos, n_cols, dropout_p), p, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # (M, D)
     return acc, m_new, l_i
 
@@ -88,7 +88,7 @@ def attn_fwd(Q, K, V, O, LSE,
     drop = None
     if DROPOUT:  # §16 the counters count the call's rows and k's rows (before Tq, Tk become this sequence's)
         n_cols = Tk
-        seed, first = dropout_first(SEED, b, h, H, Tq, q_start, k_start, n_cols, VARLEN)
+        seed, row0 = dropout_first(SEED, b, h, H, Tq, q_start, VARLEN)
     Tq, Tk = seq_q, seq_k
     if VARLEN:
         if start_m >= Tq:  # §14 the grid covers the longest sequence; this one is shorter
@@ -124,7 +124,7 @@ def attn_fwd(Q, K, V, O, LSE,
     if ALIBI:
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1) the rows' positions among the keys (§6)
     if DROPOUT:
-        drop = (seed, first, q_pos[:, None], n_cols, dropout_p)
+        drop = (seed, row0, q_pos[:, None], n_cols, dropout_p)
 
     if SPARSE:
         # §10 block-sparse: the key blocks the block mask lists for this query block, the FULL ones

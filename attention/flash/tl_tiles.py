@@ -298,24 +298,31 @@ def query_tile_start(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 # Dropout (§16): a keep mask regenerated from counters, never stored; a compile-time switch like §15's terms
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def dropout_first(SEED, b, h, H, n_rows, q_start, k_start, n_cols, VARLEN: tl.constexpr):
-    """§16: -> (seed, first), this program's Philox key (the call's seed, loaded once) and the counter of row 0,
-    column 0 of head h's scores: the counter of score (i, j) is first + i * n_cols + j. Rows count as the log-sum-exp's
-    do (row_stats: (b * H + h) * n_rows for a dense call, h * n_rows + q_start for varlen), columns as k's rows
-    (k_start + j): each score of a call has a counter of its own, the same in every kernel whatever its tiles."""
+def dropout_first(SEED, b, h, H, n_rows, q_start, VARLEN: tl.constexpr):
+    """§16: -> (seed, row0), this program's Philox key (the call's seed, loaded once) and the row of head h's query 0
+    as the log-sum-exp counts rows (row_stats: (b * H + h) * n_rows for a dense call, h * n_rows + q_start for
+    varlen): dropout_keep's counters start from it."""
     seed = tl.load(SEED)
     if VARLEN:
-        row0 = h.to(tl.int64) * n_rows + q_start
-    else:
-        row0 = (b * H + h).to(tl.int64) * n_rows
-    return seed, row0 * n_cols + k_start
+        return seed, h.to(tl.int64) * n_rows + q_start
+    return seed, (b * H + h).to(tl.int64) * n_rows
 
 
 @triton.jit
-def dropout_keep(seed, first, rows, cols, n_cols, dropout_p):
-    """§16: True where score (rows, cols) is kept (broadcast shapes, e.g. (M, 1) and (1, N), or transposed): Philox
-    (tl.rand) of its counter, uniform in [0, 1), at or above dropout_p, so with probability 1 - dropout_p."""
-    return tl.rand(seed, first + rows.to(tl.int64) * n_cols + cols) >= dropout_p
+def dropout_keep(seed, row0, rows, k_pos, n_cols, dropout_p):
+    """§16: (M, N) True where score (rows, k_pos) is kept: rows (M, 1) the queries' rows from row0, k_pos (N,) a key
+    tile's columns (a sequence's own for varlen), its first a multiple of 8. Each group of 8 columns of a row has one
+    counter, (row0 + row) * cdiv(n_cols, 8) + column // 8, the same in every kernel whatever its tiles; one Philox
+    draw of it (tl.randint4x: four 32-bit words) gives the group's 8 scores a 16-bit value each, kept at or above
+    dropout_p * 2^16, so with probability 1 - dropout_p (to within 2^-16)."""
+    M: tl.constexpr = rows.shape[0]
+    N: tl.constexpr = k_pos.shape[0]
+    groups = tl.min(k_pos, 0) // 8 + tl.arange(0, N // 8)  # (N / 8,)
+    counters = (row0 + rows.to(tl.int64)) * tl.cdiv(n_cols, 8) + groups[None, :]  # (M, N / 8)
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, N / 8, 2, 2)
+    values = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (M, N))  # 8 16-bit values per group
+    return values >= tl.cast(dropout_p * 65536.0, tl.uint32)
 
 
 @triton.jit
@@ -325,10 +332,11 @@ def dropout_mask(KEEP, SEED, H, n_rows, n_cols, dropout_p, BLOCK_M: tl.constexpr
     program per (row tile, batch * head), looping over the columns."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    seed, first = dropout_first(SEED, b, h, H, n_rows, 0, 0, n_cols, False)
+    seed, row0 = dropout_first(SEED, b, h, H, n_rows, 0, False)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (M, 1)
     KEEP += bh.to(tl.int64) * n_rows * n_cols
     for start_n in range(0, n_cols, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)[None, :]  # (1, N)
-        keep = dropout_keep(seed, first, rows, cols, n_cols, dropout_p)
-        tl.store(KEEP + rows.to(tl.int64) * n_cols + cols, keep.to(tl.int8), mask=(rows < n_rows) & (cols < n_cols))
+        cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
+        keep = dropout_keep(seed, row0, rows, cols, n_cols, dropout_p)
+        tl.store(KEEP + rows.to(tl.int64) * n_cols + cols[None, :], keep.to(tl.int8),
+                 mask=(rows < n_rows) & (cols[None, :] < n_cols))
