@@ -239,20 +239,30 @@ def failure(e: Exception) -> str:
     return f"error: {first_line(e)}"
 
 
+def inputs_of(shape: Shape, dtype, device, layout: str = "contiguous") -> tuple:
+    """q, k, v (B, nh, T, hs) leaves that require grad, and dO: contiguous, or with layout "model" as a model's fused
+    qkv projection leaves them (transposed views of one (B, T, 3, nh, hs) tensor, none contiguous)."""
+    size = (shape.B, shape.nh, shape.T, shape.hs)
+    if layout == "model":
+        packed = torch.randn(shape.B, shape.T, 3, shape.nh, shape.hs, device=device, dtype=dtype)
+        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in packed.unbind(2))
+    else:
+        q, k, v = (torch.randn(size, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(size, device=device, dtype=dtype)
+
+
 def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, device, rep_ms: float,
-            rounds: int = 1) -> dict[str, dict[str, dict]]:
+            rounds: int = 1, layout: str = "contiguous") -> dict[str, dict[str, dict]]:
     """name -> pass -> {"ms", "tflops", "peak_mem_gib", "status"} for backends fns (name -> fn) on one shape, side by
     side. Every (backend, pass) first runs once (compilation and autotuning happen there, outside the timing); then
     `rounds` rounds time each once (median_ms), the order rotating by one per round, and a cell's ms is the median
     of its rounds. Timed one after the other, a kernel runs at the clock the one before left the GPU (under a power
     cap, a kernel that draws more lowers it for the next), so a fixed order would favour whichever backend goes
-    first."""
+    first. layout: the inputs' (inputs_of)."""
     cells = {name: {} for name in fns}
     inputs, steps = {}, []  # steps: the (name, pass) that ran their warm-up
     for name, fn in fns.items():
-        q, k, v = (torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        inputs[name] = q, k, v, torch.randn(shape.B, shape.nh, shape.T, shape.hs, device=device, dtype=dtype)
+        inputs[name] = inputs_of(shape, dtype, device, layout)
         for pass_ in passes_of[name]:
             try:
                 pass_step(fn, pass_, *inputs[name], shape.causal)()

@@ -98,10 +98,15 @@ triton.__version__)" | log ;;
   documents)  # packed documents: per-call ids, a prebuilt mask, varlen, Flex and dense causal side by side
     timeout "$SECONDS_LEFT" python3 -m benchmarks.documents --out_dir "$RESULTS/documents" 2>&1 | log
     pack documents ;;
-  moba)  # MoBA (block 512, top-3) against dense causal at T=32k, hs=128 (into moba/<gpu>)
+  moba)  # MoBA (block 512, top-3) against dense causal at T=32k, hs=128: q, k, v contiguous (into moba/<gpu>), and
+        # as a model's fused projection leaves them (moba/<gpu>-model)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9][0-9]*' | head -1 | tr A-Z a-z)
-    timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --families dense,moba --seq_lens 32768 --head_dims 128 \
-      --passes fwd,fwd+bwd --no-flex --out_dir "$RESULTS/moba/${gpu:-gpu}" 2>&1 | grep -v "it/s]" | tail -12 | log
+    for layout in contiguous model; do
+      folder=${gpu:-gpu}; [ $layout = model ] && folder=${gpu:-gpu}-model
+      timeout "$SECONDS_LEFT" python3 -m benchmarks.sparse --families dense,moba --seq_lens 32768 --head_dims 128 \
+        --passes fwd,fwd+bwd --no-flex --layout $layout --out_dir "$RESULTS/moba/$folder" 2>&1 | grep -v "it/s]" \
+        | tail -12 | log
+    done
     pack moba ;;
   long_context)  # GPT-2 124M on packed speeches, 16k tokens a step in rows of T (LONG_CONTEXT_T, default 4096 and 8192):
                  # dense, document-masked and windowed attention, into long_context/T<T>

@@ -56,6 +56,10 @@ def _descriptor_type(rows: int, head_dim: int, swizzle: int | None = None) -> st
     return f"tensordesc<bf16[1, 1, {rows}, {head_dim}],{layout}>"
 
 
+# the kernels' last runtime arguments: a gathered problem's key heads and rows per head (gluon_common.key_block)
+KEY_SIZES = dict.fromkeys(["KEY_HEADS", "KEY_T"], "i32")
+
+
 def _gathered_args(documents: str | None, names: list[str]) -> tuple[dict, dict]:
     """-> (signature, constants) of a kernel's ROW_SRC and the source tensors' strides and sizes `names`: a gathered
     problem's (MoBA's, §11) with spans alone, None (a constant) otherwise."""
@@ -112,7 +116,7 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
                      stride_ob="i32", stride_oh="i32", stride_ot="i32", H="i32", GROUP="i32", Tq="i32", Tk="i32",
                      diag="i32", scale="fp32", n_work="i32", per_turn="i32", **doc_signature, **gathered_signature)
     term_signature, term_constants = _term_args(terms)
-    return _compile(gluon_forward.attn_fwd_ws, {**signature, **term_signature},
+    return _compile(gluon_forward.attn_fwd_ws, {**signature, **term_signature, **KEY_SIZES},
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
                          CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants, **term_constants),
                     launch_regs)
@@ -142,7 +146,7 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
                                      "i32"), scale="fp32")
     doc_signature, doc_constants = _document_args(documents)
     term_signature, term_constants = _term_args(terms, backward=True)
-    return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature, **term_signature},
+    return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature, **term_signature, **KEY_SIZES},
                     dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim), **gathered_constants,
                          **doc_constants, **term_constants), shapes.BACKWARD_LAUNCH_REGS)
 

@@ -57,7 +57,7 @@ SEQ_LENS = {  # per family; dense runs at every T of the others, to compare with
     "toy": {"window": [64, 128], "documents": [64, 128], "moba": [64, 128]},
 }
 # what a cell's numbers depend on besides the machine: a resumed run must not mix two of these
-CELL_SETTINGS = ("dtype", "backend", "window", "block_size", "topk", "doc_lengths", "seed")
+CELL_SETTINGS = ("dtype", "backend", "window", "block_size", "topk", "doc_lengths", "seed", "layout")
 GRIDS = {  # as benchmarks/attention.py: B*T = tokens (B = 1 past it), nh*hs = width
     "full": {"head_dims": [64, 128], "tokens": 16384, "width": 2048},
     "quick": {"head_dims": [128], "tokens": 16384, "width": 2048},
@@ -165,7 +165,7 @@ def measure_case(family: str, shape: Shape, todo: dict[str, list[str]], args, de
             fns[impl] = ours(family, args, ids) if impl == args.backend else flex(family, args, ids, shape, device)
         except Exception as e:  # noqa: BLE001 -- e.g. no FlexAttention in this torch, or its block mask out of memory
             cells_of[impl] = {p: failed_cell(e, device) for p in passes}
-    cells_of |= measure(fns, shape, todo, dtype, device, args.rep_ms, args.rounds)  # side by side, in rounds
+    cells_of |= measure(fns, shape, todo, dtype, device, args.rep_ms, args.rounds, args.layout)  # side by side
     for impl in todo:
         for pass_, cell in cells_of[impl].items():
             if cell["ms"] is not None:  # measure() counted dense causal FLOPs; count what the mask leaves
@@ -193,6 +193,7 @@ def run(args) -> Path:
         "seed": args.seed,
         "rep_ms": args.rep_ms,
         "rounds": args.rounds,
+        "layout": args.layout,
         "timer": "triton.testing.do_bench median, CUDA events" if device.type == "cuda"
         else "time.perf_counter median on CPU (rough: no cache flush, no GPU)",
         "flops": "4*nh*hs per visible (query, key) pair (the mask's useful work), x2.5 backward, x3.5 forward+backward",
@@ -206,7 +207,7 @@ def run(args) -> Path:
     if args.resume and results_path.exists():
         earlier = json.loads(results_path.read_text())
         same_setup = [earlier["env"][k] for k in ("gpu", "torch", "triton")] == [env[k] for k in ("gpu", "torch", "triton")]
-        same_masks = all(earlier["settings"][k] == settings[k] for k in CELL_SETTINGS)
+        same_masks = all(earlier["settings"].get(k) == settings[k] for k in CELL_SETTINGS)
         if not same_setup or not same_masks:
             raise SystemExit(f"{results_path} was measured on another setup or with other settings; use another --out_dir")
         rows = earlier["rows"]
@@ -248,6 +249,8 @@ def parse_args(argv=None):
     p.add_argument("--doc_lengths", type=comma_list(int), help="lo,hi document lengths (default 100,2000)")
     p.add_argument("--rep_ms", type=float, default=100.0, help="time spent timing each cell (do_bench's rep)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per shape, as benchmarks/attention.py's")
+    p.add_argument("--layout", choices=["contiguous", "model"], default="contiguous",
+                   help="q, k, v contiguous, or views of one (B, T, 3, nh, hs) tensor as a model's projection makes them")
     p.add_argument("--out_dir", help="default out/sparse/")
     p.add_argument("--resume", action="store_true", help="keep the cells already in out_dir/results.json")
     p.add_argument("--seed", type=int, default=0)

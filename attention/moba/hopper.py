@@ -6,7 +6,7 @@ reads, becomes a row of one cross-attention problem whose rows and keys see each
     o, lse, src, key_spans = forward(q, k, v, selection, block_size, scale)
     dq, dk, dv = backward(do, q, k, v, o, lse, src, key_spans, scale)
 
-The keys are k and v as they are, viewed as one sequence of B*Hkv*T rows. The rows are the entries block by block:
+The keys are k and v as they are, one sequence of B*Hkv*T rows that the kernels read where they lie. The rows are the entries block by block:
 for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's heads side by
 side), then every entry that chose it as a past block, padded to a whole forward tile. The kernels' producer warps
 read each row from its query's row of q (and of dO in the backward; gather_rows), so that no gathered
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..flash.hopper import backward as hopper_backward
 from ..flash.hopper import forward as hopper_forward
-from ..flash.hopper.shapes import HopperBackwardTile, HopperForwardTile
+from ..flash.hopper.shapes import KEY_BLOCK, HopperBackwardTile, HopperForwardTile
 from ..flash.dispatch import empty_bthd
 from .tl_kernels import merge_slots
 
@@ -139,10 +139,19 @@ def entry_layout(selection: torch.Tensor, block_size: int, Hkv: int) -> tuple[to
     return pos, src, row_spans, key_spans.view(1, 2, R * T)
 
 
-def key_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """k, v (B, Hkv, T, D) -> the one sequence of B*Hkv*T keys the rows' spans index, (1, 1, B*Hkv*T, D) views (copies
-    where k, v are not contiguous)."""
+def flat_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """(B, Hkv, T, D) tensors -> the one sequence of B*Hkv*T keys the rows' spans index, (1, 1, B*Hkv*T, D) views
+    (copies where they are not contiguous)."""
     return [t.contiguous().view(1, 1, -1, t.shape[-1]) for t in tensors]
+
+
+def key_tensors(k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """k, v (B, Hkv, T, D) as the kernels read a gathered problem's keys: where they lie, a model's layout included
+    (§11 "Keys read where they are"), where each head's rows are whole key tiles (KEY_BLOCK, which the forward's
+    tiles divide) and the copy engine reads them; else flat_rows' copies."""
+    if k.shape[2] % KEY_BLOCK.value == 0 and hopper_forward.tma_can_read(k, v):
+        return [k, v]
+    return flat_rows(k, v)
 
 
 def runs_on(q: torch.Tensor) -> bool:
@@ -172,8 +181,8 @@ def forward(q, k, v, selection, block_size: int, scale: float):
     o_rows = q.new_empty(1, 1, src.shape[0], D)
     lse_rows = torch.empty(1, 1, src.shape[0], dtype=torch.float32, device=q.device)
     # §11 the rows' attention to their blocks (not causal: the own rows' spans end at their query)
-    hopper_forward.forward(q, *key_rows(k, v), o_rows, lse_rows, False, scale, MOBA_FORWARD_TILE[D], (row_spans, None),
-                          row_src=src)
+    hopper_forward.forward(q, *key_tensors(k, v), o_rows, lse_rows, False, scale, MOBA_FORWARD_TILE[D],
+                           (row_spans, None), row_src=src)
     o = empty_bthd(B, Hq, T, D, q)
     lse = torch.empty(B, Hq, T, dtype=torch.float32, device=q.device)
     merge_slots(o_rows.view(-1, D), lse_rows.view(-1), pos, o, lse)
@@ -186,11 +195,11 @@ def backward(do, q, k, v, o, lse, src, key_spans, scale: float):
     B, Hq, T, D = q.shape
     q, do = copyable_rows(q), copyable_rows(do)
     dk, dv = (torch.empty(B, k.shape[1], T, D, dtype=k.dtype, device=k.device) for _ in range(2))
-    dk_rows, dv_rows = key_rows(dk, dv)
+    dk_rows, dv_rows = flat_rows(dk, dv)
     # each row adds its dS K into its query's row (src numbers them); programs go key block by key block, so the
     # rows of the head being worked on meet in L2
     dq_acc = torch.zeros(B * Hq * T, D, dtype=torch.float32, device=q.device)
-    hopper_backward.backward(do, q, *key_rows(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
+    hopper_backward.backward(do, q, *key_tensors(k, v), o, lse, None, dk_rows, dv_rows, False, scale,
                                     MOBA_BACKWARD_TILE[D], (key_spans, None), gathered=(src, dq_acc))
     dq = empty_bthd(B, Hq, T, D, q)
     hopper_backward.finish_dq(dq_acc, dq, T, scale)

@@ -109,7 +109,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
     as forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
     and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
-    reads (finish_dq); dq is None, and k, v, dk, dv (1, 1, Tk, D) are the problem's keys. term_args: §15's (softcap,
+    reads (finish_dq); dq is None, k and v the problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their
+    gradients as one flat sequence. term_args: §15's (softcap,
     slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call does not
     have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main kernel
     and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three
@@ -118,6 +119,14 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     B, Hq, T, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     row_src, given_dq_acc = gathered or (None, None)
+    key_sizes = (0, 0)  # a gathered problem's keys (key_block), unused otherwise
+    if row_src is not None:  # §11 k's (B, Hkv, T) rows as one sequence, read where they lie, as forward's
+        key_sizes = (Hkv, Tk)
+        Hkv, Tk = 1, k.shape[0] * Hkv * Tk
+        if Tk != key_sizes[1] and key_sizes[1] % KEY_BLOCK.value:
+            raise ValueError(f"keys of {key_sizes[1]} rows per head: a gathered problem's key tiles of "
+                             f"{KEY_BLOCK.value} must not straddle two heads; pass k and v as one flat (1, 1, n, D) "
+                             "sequence")
     # the pre-pass's rows per query head, padded to whole tiles for the TMA loads (a gathered problem copies rows)
     T_pad = T if row_src is not None else triton.cdiv(T, QUERY_BLOCK.value) * QUERY_BLOCK.value
     rows_grid = (triton.cdiv(T, QUERY_BLOCK.value), B * Hq)
@@ -166,7 +175,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
-                 *document_args(documents), *term_args)
+                 *document_args(documents), *term_args, *key_sizes)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
                         maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
@@ -185,7 +194,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
             lse_row, delta_row, dq_acc = buffers()
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
             first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main,
-                             scale, *document_args(documents), *with_term_values(term_args, values_now))
+                             scale, *document_args(documents), *with_term_values(term_args, values_now), *key_sizes)
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
     else:
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):

@@ -66,7 +66,9 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     stays inside documents (Tq == Tk, §14): spans (B, 2, T) int32 (block_mask.document_spans), ids (B, T) integer
     with a unit last stride; or spans (B, 2, Tq) of the keys each row sees and ids None (MoBA's rows, §11).
     row_src (n,) int32: a gathered problem (§11) of n query rows, row i being row row_src[i] of q's B*Hq*T,
-    numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows'.
+    numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows', and
+    the keys k's and v's (B, Hkv, Tk) rows as one sequence, numbered as q's, in any strides (whole key tiles per
+    head, or a flat (1, 1, n, D) k and v).
     term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) as terms.term_args
     gives them, None for a term the call does not have (the kernel's build is then the one without it).
     -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *term values,
@@ -74,12 +76,19 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     the term values are term_values(term_args)'s, the terms' values of that call."""
     B, Hq, Tq, _ = o.shape  # the problem's query rows
     Hkv, Tk = k.shape[1], k.shape[2]
+    key_sizes = (0, 0)  # a gathered problem's keys (key_block), unused otherwise
+    if row_src is not None:  # §11 k's (B, Hkv, T) rows as one sequence, read where they lie
+        key_sizes = (Hkv, Tk)
+        Hkv, Tk = 1, k.shape[0] * Hkv * Tk
     if not tma_can_read(o):
         raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
                          "stride and 16-byte aligned start and strides; allocate it with dispatch.empty_bthd")
     block_n, k_stages, v_stages, persistent, consumers = tile
     if row_src is not None and consumers != 2:
         raise ValueError(f"tile {tile}: a gathered problem runs two consumers (_item_sources)")
+    if row_src is not None and Tk != key_sizes[1] and key_sizes[1] % block_n:
+        raise ValueError(f"keys of {key_sizes[1]} rows per head: a gathered problem's key tiles of {block_n} must not "
+                         "straddle two heads; pass k and v as one flat (1, 1, n, D) sequence")
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
@@ -93,7 +102,8 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
                    descriptor(o, ROWS.value))
     sizes = (o.stride(0), o.stride(1), o.stride(2), Hq, Hq // Hkv, Tq, Tk, diag)
     gathered = (None, 0, 0, 0, 0, 0) if row_src is None else (row_src, *q.stride()[:3], *q.shape[1:3])
-    args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered, *term_args)
+    args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered, *term_args,
+            *key_sizes)
     first = launch(attn_fwd_ws, (programs,), args, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
                    CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
     if row_src is not None:
@@ -104,5 +114,5 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
         def plan(q, k, v, o, lse, scale, *rest):
             documents = rest[len(values):]
             first.again(q, k, v, o, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents or None),
-                        *gathered, *with_term_values(term_args, rest[:len(values)]))
+                        *gathered, *with_term_values(term_args, rest[:len(values)]), *key_sizes)
     return Launched(first.compiled, plan)

@@ -54,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ..tl_tiles import LOG2E
-from .gluon_common import (copy_load, document_span, gather_rows, row_sources, same_document, score_terms, tma_load,
-                           tma_store)
+from .gluon_common import (copy_load, document_span, gather_rows, key_block, row_sources, same_document, score_terms,
+                           tma_load, tma_store)
 from .gluon_dq import add_dq_cols, dq_cols, dq_product, dq_targets
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
 
@@ -107,18 +107,19 @@ def _rows_of(kv_smem, WG: gl.constexpr):
 def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                       kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk,
                       diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
-                      H_src, T_src):
+                      H_src, T_src, KEY_HEADS, KEY_T):
     """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
     them, for each query head of the kv head's group (§7), into the ring: by TMA from descriptors, or for a
-    gathered problem (ROW_SRC, §11) by the producer's own copies from their source rows
-    (gather_rows)."""
+    gathered problem (ROW_SRC, §11) by the producer's own copies from their source rows (gather_rows), its keys
+    read where they lie (key_block: KEY_HEADS, KEY_T)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
-    tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
+    keys = key_block(b, h_kv, start_n, ROW_SRC, KEY_HEADS, KEY_T)
+    tma_load(k_desc, keys, kv_ready, k_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
+    tma_load(v_desc, keys, kv_ready, v_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
     per_head = end_m - first_m
     for t in range(GROUP * per_head):
         slot = t % STAGES
@@ -397,13 +398,14 @@ def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
 def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
-                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, STAGES: gl.constexpr,
-                 ROWS_FIRST: gl.constexpr):
+                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, KEY_HEADS, KEY_T,
+                 STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
     (ROW_SRC, §11) pointers to q and dO (B, H_src, T_src, D), each row of the problem reading its source row
-    (_load_query_tiles), and to the pre-pass's (B*H_src*T_src,) rows.
+    (_load_query_tiles), and to the pre-pass's (B*H_src*T_src,) rows; its keys are then the (B, KEY_HEADS, KEY_T)
+    rows of k_desc's and v_desc's tensors as one sequence of Tk (key_block), dK and dV flat (1, 1, Tk, D).
     DQ_ACC: the float32 dQ buffer, a descriptor of (QUERY_BLOCK, dq_cols) blocks, or with ROW_SRC a pointer that each
     row adds into at its source row (add_dq_cols).
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
@@ -459,5 +461,5 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
         (_load_query_tiles, (k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem,
                              delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group,
                              Tq, Tq_pad, Tk, diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob,
-                             stride_doh, stride_dot, H_src, T_src)),
+                             stride_doh, stride_dot, H_src, T_src, KEY_HEADS, KEY_T)),
     ], [4, 1 if ROW_SRC is None else GATHER_WARPS], [BACKWARD_CONSUMER_REGS, PRODUCER_REGS])

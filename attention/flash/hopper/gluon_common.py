@@ -41,6 +41,16 @@ def row_sources(ROW_SRC, first, n_rows, R: gl.constexpr):
     return gl.load(ROW_SRC + rows, mask=rows < n_rows, other=-1)
 
 @gluon.jit
+def key_block(b, h, t, ROW_SRC, KEY_HEADS, KEY_T):
+    """The (b, h, t, 0) coordinate of a key tile that starts at key row t of head h of batch entry b. A gathered
+    problem's keys (ROW_SRC, §11 "Keys read where they are") are one sequence, k's (B, KEY_HEADS, KEY_T) rows in that
+    order, read where they lie: its row t is row t % KEY_T of head (t // KEY_T) % KEY_HEADS of batch entry
+    t // (KEY_HEADS * KEY_T), whatever k's strides (the caller keeps a tile inside one head's rows)."""
+    if ROW_SRC is not None:
+        return t // (KEY_HEADS * KEY_T), (t // KEY_T) % KEY_HEADS, t % KEY_T, 0
+    return b, h, t, 0
+
+@gluon.jit
 def gather_rows(src, H, T, smem, X, stride_xb, stride_xh, stride_xt, smem_2, X_2, stride_2b, stride_2h,
                 stride_2t):
     """The producer's copy of a gathered problem's rows into smem (R, D) (§11 "MoBA on the Hopper kernels"): row i

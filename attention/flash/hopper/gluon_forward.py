@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .gluon_common import document_span, gather_rows, row_sources, tma_load, tma_store
+from .gluon_common import document_span, gather_rows, key_block, row_sources, tma_load, tma_store
 from .gluon_softmax import fold_sink, mask_keys, needs_mask, softmax_step, tile_terms
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
@@ -90,14 +90,15 @@ def _item_sources(ROW_SRC, t, n_items, per_turn, n_m_tiles, Tq, BLOCK_M: gl.cons
 @gluon.jit
 def _load_tiles(Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                 v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
-                stride_qh, stride_qt, H_src, T_src):
+                stride_qh, stride_qt, H_src, T_src, KEY_HEADS, KEY_T):
     """The producer warp: for each of the program's work items, Q (once every consumer is done with the
     previous item's), then K_j, V_j. With one ring (K_STAGES == V_STAGES) both into slot j % STAGES, counted
     in by one barrier. With split rings (V_STAGES < K_STAGES) each into its own, K a tile ahead: K_0, K_1,
     V_0, K_2, V_1, ... (the consumers release each K once its S is computed, each V a tile later, after its
     P V). Descriptors are 4-D (B, H, T, D) with a (1, 1, rows, D) block: rows past T arrive as zeros,
     whatever the strides (§9), so a ragged last tile needs no special load. With ROW_SRC (a gathered problem,
-    §11) Q is a pointer to q (B, H_src, T_src, D) and its rows come by gather_rows."""
+    §11) Q is a pointer to q (B, H_src, T_src, D) and its rows come by gather_rows, and the keys are k's rows where
+    they lie (key_block: KEY_HEADS, KEY_T)."""
     # Triton 3.6 hands warp_specialize's constexpr arguments to a partition as tensors: constants come from shapes
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
@@ -134,18 +135,18 @@ def _load_tiles(Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_r
                 tma_load(Q, [b, h, start_m + wg * ROWS, 0], q_ready.index(buffer),
                           q_smem.index(buffer * CONSUMERS + wg).reshape([1, 1, ROWS, HEAD_DIM]))
         for j in range(first_tile, end_tile):
+            key_j = key_block(b, h // GROUP, j * BLOCK_N, ROW_SRC, KEY_HEADS, KEY_T)
             if SPLIT:
-                _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 1)
+                _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, key_j, 1)
                 if j > first_tile:
                     _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + j - 1,
-                               [b, h // GROUP, (j - 1) * BLOCK_N, 0], 1)
+                               key_block(b, h // GROUP, (j - 1) * BLOCK_N, ROW_SRC, KEY_HEADS, KEY_T), 1)
             else:
-                slot = _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, [b, h // GROUP, j * BLOCK_N, 0], 2)
-                tma_load(v_desc, [b, h // GROUP, j * BLOCK_N, 0], k_ready.index(slot),
-                          v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
+                slot = _load_tile(k_desc, k_smem, k_ready, k_empty, ring0 + j, key_j, 2)
+                tma_load(v_desc, key_j, k_ready.index(slot), v_smem.index(slot).reshape([1, 1, BLOCK_N, HEAD_DIM]))
         if SPLIT:
             _load_tile(v_desc, v_smem, v_ready, v_empty, ring0 + end_tile - 1,
-                       [b, h // GROUP, (end_tile - 1) * BLOCK_N, 0], 1)
+                       key_block(b, h // GROUP, (end_tile - 1) * BLOCK_N, ROW_SRC, KEY_HEADS, KEY_T), 1)
         loaded += end_tile - first_tile
 
 @gluon.jit
@@ -430,15 +431,16 @@ def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, 
 @gluon.jit
 def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
                  scale, n_work, per_turn, SPANS, IDS, stride_ids, ROW_SRC, stride_qb, stride_qh, stride_qt, H_src,
-                 T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks,
-                 BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
+                 T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks, KEY_HEADS,
+                 KEY_T, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                  V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
     walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
     consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     ROW_SRC: for a gathered problem (§11) the source row of each query row, Q then a pointer to q (B, H_src,
-    T_src, D) (_load_tiles); or None, Q a descriptor of the queries.
+    T_src, D) (_load_tiles), and the keys the (B, KEY_HEADS, KEY_T) rows of k_desc's tensor as one sequence of Tk
+    (key_block); or None, Q a descriptor of the queries (KEY_HEADS, KEY_T unused).
     §15 FlashAttention's terms, each None (a constant: the build is the one without it) where the call has none:
     softcap (a float > 0), SLOPES (B or 1, H) float32 ALiBi slopes with their strides, SINK_LOGITS (H,) a sink
     logit per head with its stride (_softmax_rows)."""
@@ -486,7 +488,7 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
                      stride_slopes_h, SINK_LOGITS, stride_sinks)
     producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
-                     stride_qh, stride_qt, H_src, T_src)
+                     stride_qh, stride_qt, H_src, T_src, KEY_HEADS, KEY_T)
     # the first consumer is the default partition (the launch's 4 warps); the others are given their warps
     PRODUCER_WARPS: gl.constexpr = 1 if ROW_SRC is None else GATHER_WARPS
     if CONSUMERS == 3:
