@@ -78,10 +78,25 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def json_text(obj) -> str:
+    """obj as JSON, a line per top-level key and per row of a list of rows, each compact: as readable and diffable
+    as one field per line, in a third less space (the repository keeps these files)."""
+    if not isinstance(obj, dict):
+        return json.dumps(obj, separators=(",", ":"))
+    lines = []
+    for key, value in obj.items():
+        if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
+            value_text = "[\n" + ",\n".join("  " + json_text(row) for row in value) + "\n ]"
+        else:
+            value_text = json.dumps(value, separators=(",", ":"))
+        lines.append(f" {json.dumps(key)}: {value_text}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
+
 def write_json(path: Path, obj) -> None:
     # write-then-rename: a run killed mid-write (e.g. by a time limit) leaves the last good file
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.write_text(json_text(obj) + "\n")
     os.replace(tmp, path)
 
 

@@ -81,6 +81,8 @@ def markdown(res: Results) -> str:
         f"{machine}, torch {env['torch']}, triton {env['triton']}, {s['dtype']}, {env['date']}.\n",
         (f"- ours = `{s['backend']}`; window = {tuple(s['window'])} (causal); documents of {lo}..{hi} tokens "
          f"packed, seed {s['seed']}; MoBA block {s['block_size']}, top-{s['topk']}"),
+        ("- inputs: q, k, v transposed views of one (B, T, 3, nh, hs) tensor, as a model's fused projection leaves them"
+         if s.get("layout") == "model" else "- inputs: q, k, v contiguous (B, nh, T, hs)"),
         f"- timer: {s['timer']}, {s['rep_ms']} ms per cell after a warm-up call"
         + (f"; the median of {s['rounds']} rounds, each timing every implementation once, the order rotating"
            if s.get("rounds", 1) > 1 else ""),
