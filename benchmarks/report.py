@@ -86,7 +86,7 @@ def json_text(obj) -> str:
     lines = []
     for key, value in obj.items():
         if isinstance(value, list) and value and all(isinstance(row, dict) for row in value):
-            value_text = "[\n" + ",\n".join("  " + json_text(row) for row in value) + "\n ]"
+            value_text = "[\n" + ",\n".join("  " + json.dumps(row, separators=(",", ":")) for row in value) + "\n ]"
         else:
             value_text = json.dumps(value, separators=(",", ":"))
         lines.append(f" {json.dumps(key)}: {value_text}")

@@ -196,6 +196,27 @@ def test_triton_kernel_runs_from_the_command_line_under_the_interpreter(tmp_path
     assert [bool(r["tuner"]) for r in csv_rows] == [r["backend"] == "triton" for r in results["rows"]]
 
 
+def test_results_json_has_a_line_per_key_and_per_row_and_reads_back_the_same(tmp_path):
+    from benchmarks.report import write_json
+
+    results = {"env": {"gpu": "H100", "torch": "2.11"}, "settings": {"rounds": 3, "seq_lens": [1024, 4096]},
+               "rows": [{"backend": "triton", "ms": 0.5, "status": "ok"}, {"backend": "sdpa", "ms": None}], "empty": []}
+    write_json(tmp_path / "results.json", results)
+    text = (tmp_path / "results.json").read_text()
+    assert json.loads(text) == results
+    assert text.splitlines() == [
+        "{",
+        ' "env": {"gpu":"H100","torch":"2.11"},',
+        ' "settings": {"rounds":3,"seq_lens":[1024,4096]},',
+        ' "rows": [',
+        '  {"backend":"triton","ms":0.5,"status":"ok"},',
+        '  {"backend":"sdpa","ms":null}',
+        " ],",
+        ' "empty": []',
+        "}",
+    ]
+
+
 def test_report_of_a_gpu_run_has_speedups_memory_and_skips(tmp_path):
     def row(backend, T, pass_, ms, mem=None, status="ok"):
         ok = status == "ok"

@@ -145,6 +145,21 @@ def test_moba_matches_fp64_gpu(B, Hq, Hkv, T, D, block_size, topk, dtype, kernel
     assert_moba_matches_fp64(B, Hq, Hkv, T, D, block_size, topk, dtype, device="cuda")
 
 
+def test_hopper_keys_are_read_in_place_where_each_heads_rows_are_whole_tiles():
+    # §11 "Keys read where they are": a model's layout (views of one projection) is passed on as it is where T is a
+    # multiple of the key tiles; otherwise k and v become one flat contiguous (1, 1, B*Hkv*T, D) sequence
+    from attention.moba.hopper import key_tensors
+
+    for T, in_place in ((256, True), (200, False)):
+        _, k, v = unpack_qkv(packed_qkv(2, T, 3, 64, dtype=torch.float16))
+        keys = key_tensors(k, v)
+        if in_place:
+            assert keys[0] is k and keys[1] is v
+        else:
+            assert [tuple(t.shape) for t in keys] == [(1, 1, 2 * 3 * T, 64)] * 2 and keys[0].is_contiguous()
+            assert torch.equal(keys[0].view(2, 3, T, 64), k)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128])
 def test_moba_reads_a_models_layout_where_it_lies_gpu(D):

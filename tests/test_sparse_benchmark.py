@@ -90,6 +90,20 @@ def test_cpu_run_measures_every_family_and_reports_from_the_json(tmp_path):
     assert (tmp_path / "results.md").read_text() == md
 
 
+def test_model_layout_runs_on_views_of_one_projection_and_says_so(tmp_path):
+    from benchmarks.attention import inputs_of
+
+    q, k, v, do = inputs_of(Shape(2, 3, 32, 16, True, "grid"), torch.float32, torch.device("cpu"), "model")
+    assert q.is_leaf and q.requires_grad and not k.is_contiguous() and q.shape == do.shape == (2, 3, 32, 16)
+    assert q.stride() == (32 * 3 * 3 * 16, 16, 3 * 3 * 16, 1)  # (B, T, 3, nh, hs) underneath
+    results, md = run_benchmark(tmp_path, "--families", "moba", "--seq_lens", "64", "--passes", "fwd+bwd",
+                                "--layout", "model")
+    assert results["settings"]["layout"] == "model" and all(r["status"] == "ok" for r in results["rows"])
+    assert "q, k, v transposed views of one (B, T, 3, nh, hs) tensor" in md
+    with pytest.raises(SystemExit, match="other settings"):  # contiguous cells do not resume a model-layout run
+        run_benchmark(tmp_path, "--families", "moba", "--seq_lens", "64", "--passes", "fwd+bwd", "--resume")
+
+
 def test_resume_measures_only_what_is_missing_and_refuses_other_settings(tmp_path):
     first, _ = run_benchmark(tmp_path, "--families", "window", "--seq_lens", "32", "--passes", "fwd")
     resumed, _ = run_benchmark(tmp_path, "--families", "window,moba", "--seq_lens", "32", "--passes", "fwd", "--resume")
