@@ -158,6 +158,14 @@ def test_hopper_keys_are_read_in_place_where_each_heads_rows_are_whole_tiles():
         else:
             assert [tuple(t.shape) for t in keys] == [(1, 1, 2 * 3 * T, 64)] * 2 and keys[0].is_contiguous()
             assert torch.equal(keys[0].view(2, 3, T, 64), k)
+    # the kernels' key sizes: k's own; a gathered problem's one sequence, whose tiles must not straddle two heads
+    from attention.flash.hopper.forward import key_problem
+
+    assert key_problem(torch.empty(2, 3, 200, 64), False, 128) == (3, 200, (0, 0))
+    assert key_problem(torch.empty(2, 3, 256, 64), True, 128) == (1, 2 * 3 * 256, (3, 256))
+    assert key_problem(torch.empty(1, 1, 600, 64), True, 128) == (1, 600, (1, 600))  # flat: any length
+    with pytest.raises(ValueError, match="must not straddle two heads"):
+        key_problem(torch.empty(2, 3, 200, 64), True, 128)
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import triton.language as tl
 from ..device import HAS_GLUON
 from ..launch import Launched, launch, planned
 from ..tl_tiles import LOG2E
-from .forward import forward_supports, term_values, tma_can_read, with_term_values
+from .forward import forward_supports, key_problem, term_values, tma_can_read, with_term_values
 from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
                      HopperBackwardTile)
 
@@ -117,16 +117,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     launches for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
     forward.term_values(term_args)'s."""
     B, Hq, T, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
     row_src, given_dq_acc = gathered or (None, None)
-    key_sizes = (0, 0)  # a gathered problem's keys (key_block), unused otherwise
-    if row_src is not None:  # §11 k's (B, Hkv, T) rows as one sequence, read where they lie, as forward's
-        key_sizes = (Hkv, Tk)
-        Hkv, Tk = 1, k.shape[0] * Hkv * Tk
-        if Tk != key_sizes[1] and key_sizes[1] % KEY_BLOCK.value:
-            raise ValueError(f"keys of {key_sizes[1]} rows per head: a gathered problem's key tiles of "
-                             f"{KEY_BLOCK.value} must not straddle two heads; pass k and v as one flat (1, 1, n, D) "
-                             "sequence")
+    Hkv, Tk, key_sizes = key_problem(k, row_src is not None, KEY_BLOCK.value)
     # the pre-pass's rows per query head, padded to whole tiles for the TMA loads (a gathered problem copies rows)
     T_pad = T if row_src is not None else triton.cdiv(T, QUERY_BLOCK.value) * QUERY_BLOCK.value
     rows_grid = (triton.cdiv(T, QUERY_BLOCK.value), B * Hq)

@@ -57,6 +57,20 @@ def forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: b
     return dense and runs_on(q) and tma_can_read(q, k, v)
 
 
+def key_problem(k: torch.Tensor, gathered: bool, key_tile: int) -> tuple[int, int, tuple[int, int]]:
+    """-> (Hkv, Tk, (KEY_HEADS, KEY_T)) of the kernels' keys: k's own heads and length; or for a gathered problem
+    (§11 "Keys read where they are") one sequence of k's (B, Hkv, T) rows, which the producers map back to k's place
+    of each key tile (gluon_common.key_block), so a tile of key_tile rows must not straddle two heads."""
+    Hkv, T = k.shape[1], k.shape[2]
+    if not gathered:
+        return Hkv, T, (0, 0)  # KEY_HEADS, KEY_T unused
+    n = k.shape[0] * Hkv * T
+    if n != T and T % key_tile:
+        raise ValueError(f"keys of {T} rows per head: a gathered problem's key tiles of {key_tile} must not straddle "
+                         "two heads; pass k and v as one flat (1, 1, n, D) sequence")
+    return 1, n, (Hkv, T)
+
+
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile,
             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
             row_src: torch.Tensor | None = None, term_args: tuple = (None,) * 6) -> Launched:
@@ -75,20 +89,13 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     *documents), the same launch for tensors shaped, strided and aligned like these (None for a gathered problem);
     the term values are term_values(term_args)'s, the terms' values of that call."""
     B, Hq, Tq, _ = o.shape  # the problem's query rows
-    Hkv, Tk = k.shape[1], k.shape[2]
-    key_sizes = (0, 0)  # a gathered problem's keys (key_block), unused otherwise
-    if row_src is not None:  # §11 k's (B, Hkv, T) rows as one sequence, read where they lie
-        key_sizes = (Hkv, Tk)
-        Hkv, Tk = 1, k.shape[0] * Hkv * Tk
+    block_n, k_stages, v_stages, persistent, consumers = tile
+    Hkv, Tk, key_sizes = key_problem(k, row_src is not None, block_n)
     if not tma_can_read(o):
         raise ValueError(f"o with strides {o.stride()}: the Hopper forward stores O by TMA, which needs a unit last "
                          "stride and 16-byte aligned start and strides; allocate it with dispatch.empty_bthd")
-    block_n, k_stages, v_stages, persistent, consumers = tile
     if row_src is not None and consumers != 2:
         raise ValueError(f"tile {tile}: a gathered problem runs two consumers (_item_sources)")
-    if row_src is not None and Tk != key_sizes[1] and key_sizes[1] % block_n:
-        raise ValueError(f"keys of {key_sizes[1]} rows per head: a gathered problem's key tiles of {block_n} must not "
-                         "straddle two heads; pass k and v as one flat (1, 1, n, D) sequence")
     launch_regs, consumer_regs = REGS[consumers]
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
     n_work = triton.cdiv(Tq, consumers * ROWS.value) * B * Hq
