@@ -332,7 +332,7 @@ def test_terms_compile_in_only_where_used():
         assert flash_terms.term_constants(flash_terms.NO_TERMS, q, v, kernel) == {}
     assert flash_terms.term_args(flash_terms.NO_TERMS, True) == (None,) * 8  # dropout's two (§16) at the end
     terms = flash_terms.Terms(1.0, torch.ones(2), torch.ones(2))
-    assert flash_terms.term_constants(terms, q, v[..., :16], "fwd") == dict(SOFTCAP=True, ALIBI=True, SINKS=True,
+    assert flash_terms.term_constants(terms, q, v[..., :16], "fwd") == dict(SOFTCAP=1, ALIBI=True, SINKS=True,
                                                                             HEAD_DV=16, BLOCK_DV=16)
     assert "SINKS" not in flash_terms.term_constants(terms, q, v, "dkdv")  # it reads the sink's share in lse
 

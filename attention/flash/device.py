@@ -49,6 +49,16 @@ def is_hopper(device: torch.device) -> bool:
 
 
 @functools.cache
+def softcap_tanh(device: torch.device) -> int:
+    """§15 the `tl` kernels' SOFTCAP switch for a call with a softcap on this device, which tanh it takes: 2 (the
+    special-function unit's tanh.approx.f32, one instruction: sm_75 and newer) or 1 (from the exp2 and a division:
+    Triton's interpreter, older GPUs); tl_tiles.SOFTCAP_TANH_APPROX and SOFTCAP_EXP2."""
+    if INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) < (7, 5):
+        return 1
+    return 2
+
+
+@functools.cache
 def has_tma(device: torch.device) -> bool:
     """Hopper or newer: the tensor memory accelerator (the copy engine) that descriptor loads use (§9)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from .device import softcap_tanh
+
 
 class Terms(NamedTuple):
     """§15: FlashAttention's terms a call adds to softmax attention, all off by default. The kernels compile each one
@@ -55,7 +57,7 @@ def term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str) 
     constants (and so the tuning keys, and the choices shipped for them, §9) it had before they existed."""
     constants = {}
     if terms.softcap:
-        constants["SOFTCAP"] = True
+        constants["SOFTCAP"] = softcap_tanh(q.device)  # which tanh (device.softcap_tanh)
     if terms.alibi_slopes is not None:
         constants["ALIBI"] = True
     if terms.sinks is not None and kernel != "dkdv":  # the forward's sink; the dQ kernel's rows for its gradient

@@ -15,6 +15,9 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
+# §15 the SOFTCAP switch's values, which tanh a softcap takes (device.softcap_tanh): 0 no softcap
+SOFTCAP_EXP2 = tl.constexpr(1)  # from the exp2 and a division (the interpreter, GPUs before sm_75)
+SOFTCAP_TANH_APPROX = tl.constexpr(2)  # the special-function unit's tanh.approx.f32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,9 +259,13 @@ def score_terms(qk, q_abs, k_pos, qk_scale, softcap, slope2, SOFTCAP: tl.constex
     unused), bias = -slope * |q_abs - k_pos|. qk: the raw q.k products; q_abs, k_pos: the rows' positions among the
     keys (i + Tk - Tq) and the keys', shaped to broadcast over qk ((M, 1) and (1, N), or transposed); slope2 = slope *
     LOG2E. The backward keeps t for softcap's derivative, 1 - t^2. Entries a mask hides come out finite: the caller
-    masks them."""
+    masks them. SOFTCAP: 0 (False), SOFTCAP_EXP2 or SOFTCAP_TANH_APPROX (device.softcap_tanh)."""
     t = qk  # a tensor either way: Triton returns no None inside a tuple
-    if SOFTCAP:
+    if SOFTCAP == SOFTCAP_TANH_APPROX:  # x = qk * scale / softcap; ±1 at ±inf, so no score becomes NaN
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [qk * (qk_scale / (softcap * LOG2E))],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        s2 = t * (softcap * LOG2E)
+    elif SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1), exp(2x) = exp2(2x LOG2E) with x = qk * scale / softcap: exact at both ends
         # (exp2 overflows to inf, t = 1; underflows to 0, t = -1), so no score becomes NaN
         t = 1.0 - 2.0 / (tl.exp2(qk * (2.0 * qk_scale / softcap)) + 1.0)
