@@ -272,8 +272,8 @@ def score_terms(qk, q_abs, k_pos, qk_scale, softcap, slope2, SOFTCAP: tl.constex
         s2 = t * (softcap * LOG2E)
     else:
         s2 = qk * qk_scale
-    if ALIBI:
-        s2 = s2 - slope2 * tl.abs(q_abs - k_pos).to(tl.float32)
+    if ALIBI:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
+        s2 = s2 - slope2 * tl.abs(q_abs.to(tl.float32) - k_pos.to(tl.float32))
     return s2, t
 
 

@@ -131,6 +131,6 @@ def score_terms(s, rows, keys, qk_scale, softcap, slope):
     if softcap is not None:
         t = tanh_approx(s * (qk_scale / (softcap * 1.4426950408889634)))
         s = t * (softcap * 1.4426950408889634 / qk_scale)
-    if slope is not None:
-        s = s - slope * gl.abs(rows - keys).to(gl.float32)
+    if slope is not None:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
+        s = s - slope * gl.abs(rows.to(gl.float32) - keys.to(gl.float32))
     return s, t
