@@ -54,9 +54,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from ..tl_tiles import LOG2E
-from .gluon_common import (copy_load, document_span, gather_rows, key_block, row_sources, same_document, score_terms,
-                           tma_load, tma_store)
-from .gluon_dq import add_dq_cols, dq_cols, dq_product, dq_targets
+from .gluon_common import copy_load, document_span, gather_rows, key_block, row_sources, score_terms, tma_load
+from .gluon_dq import add_dq_cols, dq_cols
+from .gluon_query_tile import (document_rows, issue_dq, issue_dv_wait_dp, issue_scores, masked_scores, probabilities,
+                               query_slope, query_tile, share_ds, store_key_gradients)
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
 
 # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded as they are (no swizzle)
@@ -92,18 +93,6 @@ def _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS):
     return bh_kv, start_n, first_m, gl.maximum(gl.cdiv(end_row, QUERY_BLOCK), first_m)
 
 @gluon.jit
-def _query_tile(t, bh_kv, GROUP, first_m, per_head):
-    """A program's t-th query tile -> (the query head's batch*head index, first row): per_head tiles from
-    first_m on for each query head of the kv head's group in turn (§7)."""
-    return bh_kv * GROUP + t // per_head, (first_m + t % per_head) * QUERY_BLOCK
-
-@gluon.jit
-def _rows_of(kv_smem, WG: gl.constexpr):
-    """Warpgroup WG's 64 key rows of a (KEY_BLOCK, D) K or V tile, as the (1, 1, 64, D) block a descriptor of
-    (B, H, T, D) copies (reshaped before sliced: Gluon cannot reshape a slice)."""
-    return kv_smem.reshape([1, 1, KEY_BLOCK, kv_smem.shape[1]]).slice(WG * KEYS, KEYS, dim=2)
-
-@gluon.jit
 def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                       kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk,
                       diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
@@ -125,7 +114,7 @@ def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem,
         slot = t % STAGES
         mbarrier.wait(qdo_empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier's first wait passes
         ready = qdo_ready.index(slot)
-        bh, start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)
+        bh, start_m = query_tile(t, bh_kv, GROUP, first_m, per_head)
         if ROW_SRC is not None:  # a gathered problem (§11)
             row_src, value_src = _tile_sources(ROW_SRC, bh, start_m, Tq)
             gather_rows(row_src, H_src, T_src, q_smem.index(slot), Q, stride_qb, stride_qh,
@@ -166,7 +155,6 @@ def _gather_row_values(src, LSE, DELTA, lse_smem, delta_smem):
     copy_load(lse_smem, LSE + src, mask=real)
     copy_load(delta_smem, DELTA + src, mask=real)
 
-# One function, not phases, as gluon_forward._softmax_rows and for its reason (docs/perf_notes.md section 12).
 @gluon.jit
 def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
@@ -195,7 +183,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                                                         instr_shape=[16, QUERY_BLOCK, 16])
     kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # P^T, dS^T
+    lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)  # dS^T (P^T alike)
     row_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # a value per column of S^T: per query row
     bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
@@ -208,10 +196,6 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     rows_m = gl.arange(0, QUERY_BLOCK, layout=row_layout)  # (M,)
     dk = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
     dv = gl.zeros([KEYS, HEAD_DIM], gl.float32, kd_layout)
-    # §14 documents: the first row every key's document holds and the end of the first key's: query tiles
-    # reaching before or past them are masked (all of them where the ids are not runs). The rows' spans are read
-    # for masked tiles only, few of them, so that only these two stay in registers over the loop
-    DOCUMENTS: gl.constexpr = SPANS is not None  # (None survives the hand-over to a partition as a constant)
     # §15 softcap and ALiBi, each compiled in only where the call has it: the scores recomputed as the forward made
     # them (score_terms) before the mask, and with softcap dS times 1 - tanh^2. Softcap needs S^T itself, so its S^T
     # starts from zero even with ROWS_FIRST, and lse is subtracted after the cap (ALiBi's bias adds, so it does not
@@ -224,12 +208,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # ROWS_FIRST reaches a partition as a value (int1), not a constant, so a choice the frontend makes reads the head
     # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
     LATE_DP: gl.constexpr = SOFTCAP and HEAD_DIM == 128
-    rows_from, rows_end = 0, Tq
-    if DOCUMENTS:
-        rows_from, _ = document_span(SPANS, b, gl.minimum(first_key + KEYS, Tk) - 1, Tk)
-        if IDS is not None:
-            rows_from = gl.where(gl.load(SPANS + b.to(gl.int64) * 2 * Tk) == 0, rows_from, Tq)  # not runs: all
-        _, rows_end = document_span(SPANS, b, gl.minimum(first_key, Tk - 1), Tk)
+    rows_from, rows_end = document_rows(SPANS, IDS, b, first_key, Tq, Tk)
     mbarrier.wait(kv_ready, 0)
 
     per_head = end_m - first_m
@@ -237,11 +216,9 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     for t in range(n_tiles):
         slot = t % STAGES
         buf = t % 2
-        start_m = _query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
-        slope = None
-        if SLOPES is not None:  # §15 the tile's query head's ALiBi slope, in S^T's units (score_terms): slope / scale
-            h_q = _query_tile(t, bh_kv, GROUP, first_m, per_head)[0] - b * H_kv * GROUP
-            slope = gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) / scale
+        start_m = query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
+        slope = query_slope(SLOPES, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], b, H_kv, GROUP,
+                            stride_slopes_b, stride_slopes_h, scale)
         mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
         if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmmas that read them
             fence_async_shared()
@@ -249,61 +226,16 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         q = q_smem.index(slot)  # (M, D)
         do = do_smem.index(slot)
         zeros = gl.zeros([KEYS, QUERY_BLOCK], gl.float32, st_layout)
-        # with ROWS_FIRST (hs=128) S^T and dP^T start from -lse / scale and -Delta instead of zero and come out
-        # with them subtracted: the (M,) values are spent before the wgmmas are issued, and take no registers
-        # over the exp2s and dS, where the consumer's registers peak (row_values_first)
-        if SOFTCAP:  # §15 S^T itself, capped before lse is subtracted; dP^T from zero, or with LATE_DP later
-            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            if not LATE_DP:
-                dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        elif ROWS_FIRST:
-            delta = delta_smem.index(slot).load(row_layout)  # (M,)
-            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros - lse_row[None, :], is_async=True)
-            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros - delta[None, :], is_async=True)
-        else:
-            st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
-            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        if LATE_DP:
-            st = warpgroup_mma_wait(0, deps=[st_token])
-        else:
-            st = warpgroup_mma_wait(1, deps=[st_token])  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
-        if TERMS:  # §15 as the forward's scores, before the mask; tt = tanh(scale S / softcap), kept for dS
+        st, dpt_token = issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem.index(slot), SOFTCAP, LATE_DP,
+                                     ROWS_FIRST)
+        tt = None  # with softcap tanh(scale S / softcap), kept for dS
+        if TERMS:  # §15 as the forward's scores, before the mask
             st, tt = score_terms(st, (start_m + rows_m + Tk - Tq)[None, :], keys[:, None], qk_scale, softcap, slope)
-        # §6 key <= min(row + diag, Tk - 1): only tiles crossing the diagonal or the ragged last key need it;
-        # §14 and, with documents, tiles crossing a document's edge
-        masked = first_key + KEYS - 1 > gl.minimum(start_m + diag, Tk - 1)
-        if DOCUMENTS:
-            masked = masked | (start_m < rows_from) | (start_m + QUERY_BLOCK > rows_end)
-        if masked:
-            rows = start_m + rows_m  # (M,)
-            visible = keys[:, None] <= gl.minimum(rows + diag, Tk - 1)[None, :]
-            if DOCUMENTS:
-                visible = visible & same_document(keys, rows, b, Tk, SPANS, IDS, stride_ids)
-            st = gl.where(visible, st, float("-inf"))
-        # §8 P^T = exp(scale * S^T - lse); 0 in padding rows (lse +inf)
-        if LATE_DP:  # §15 softcap at hs=128: lse / scale subtracted after the cap, read from shared memory here
-            # rather than held in registers since the top of the tile (§13 "The row values in the accumulators")
-            pt = gl.exp2((st - lse_smem.index(slot).load(row_layout)[None, :]) * qk_scale)
-        elif SOFTCAP:  # at hs=64, lse in base 2
-            pt = gl.exp2(st * qk_scale - lse_row[None, :])
-        else:
-            pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
-        pt_op = gl.convert_layout(pt.to(q_smem.dtype), lhs_layout)
-        if LATE_DP:  # §15 dP^T - Delta issued before dV, so that the wait below is for it
-            delta = delta_smem.index(slot).load(row_layout)  # (M,)
-            dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros - delta[None, :], is_async=True)
-            dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
-            pt = pt * (1.0 - tt * tt)  # softcap's 1 - tanh^2 (below)
-            dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
-        else:
-            dv_token = warpgroup_mma(pt_op, do, dv, is_async=True)  # dV += P^T dO
-            if SOFTCAP:  # §15 through softcap * tanh(s / softcap): dS^T takes 1 - tanh^2, folded into P^T now (its
-                pt = pt * (1.0 - tt * tt)  # operand is issued) so that one (KEYS, M) tile, not two, waits for dP^T
-            if ROWS_FIRST:
-                dpt = warpgroup_mma_wait(1, deps=[dpt_token])  # dP^T - Delta (KEYS, M); dV may still be running
-            else:  # Delta loaded here, not with lse: held over the exp2s it pushes scalars out (§13)
-                delta = delta_smem.index(slot).load(row_layout)  # (M,)
-                dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
+        st = masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, rows_end, b, SPANS, IDS,
+                           stride_ids)
+        pt = probabilities(st, lse_row, lse_smem.index(slot), qk_scale, SOFTCAP, LATE_DP, ROWS_FIRST)
+        dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot), SOFTCAP,
+                                             LATE_DP, ROWS_FIRST)
         dst = (pt * dpt).to(q_smem.dtype)  # §5 dS^T
         dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
@@ -311,12 +243,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         # u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are usually in already, so
         # that it seldom waits for warpgroup 0 and the two run out of step. At hs=64 a warpgroup whose turn it is
         # not goes on without waiting for the other's half
-        mbarrier.wait(ds_empty.index(buf), ((t // 2) & 1) ^ 1)
-        ds_smem.index(buf).slice(WG * KEYS, KEYS).store(dst)
-        # the stores, visible to the other warpgroup's wgmma before it reads them; the fence also orders this
-        # slot's lse and Delta reads (generic proxy) before the copy engine's refill of it (async proxy)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(buf), count=1)
+        share_ds(dst, ds_smem, ds_ready, ds_empty, t, WG)
         u = t - WG * LAG
         if TURNS:
             takes_dq = buf == WG
@@ -325,11 +252,8 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             takes_dq = u >= 0
             n_dq = u
         if takes_dq:
-            dq_token = dq_product(u, ds_smem, k_dq, ds_ready)
-            bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-            # the rows' targets are read while the matmuls run
-            targets = (None if ROW_SRC is None else
-                       dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+            dq_token, bh_u, start_u, targets = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head,
+                                                        ROW_SRC, Tq, HEAD_DIM)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
             mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
             add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
@@ -339,35 +263,13 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
         if n_tiles > 0:
             u = n_tiles - 1
-            dq_token = dq_product(u, ds_smem, k_dq, ds_ready)
-            bh_u, start_u = _query_tile(u, bh_kv, GROUP, first_m, per_head)
-            targets = (None if ROW_SRC is None else
-                       dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1]))
+            dq_token, bh_u, start_u, targets = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head,
+                                                        ROW_SRC, Tq, HEAD_DIM)
             dq = warpgroup_mma_wait(0, deps=[dq_token])
             add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
     tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
-
-    # dK, dV of the keys this warpgroup owns (rows past Tk not stored); dS was w.r.t. scale * QK^T
-    if DK.dtype.is_ptr():  # from the accumulators' registers, by pointers
-        rows = first_key + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kd_layout))  # (KEYS,)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kd_layout))  # (D,)
-        keep = (rows < Tk)[:, None]
-        dk_ptrs = DK + b.to(gl.int64) * stride_dkb + h_kv * stride_dkh + rows.to(gl.int64)[:, None] * stride_dkt
-        gl.store(dk_ptrs + cols[None, :], (dk * scale).to(DK.dtype.element_ty), mask=keep)
-        dv_ptrs = DV + b.to(gl.int64) * stride_dvb + h_kv * stride_dvh + rows.to(gl.int64)[:, None] * stride_dvt
-        gl.store(dv_ptrs + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
-    else:  # DK, DV are descriptors: staged in shared memory, stored by the copy engine (§13 "dK and dV leave")
-        # dV where this warpgroup's V rows were: only its own matmuls read them, all done
-        v_smem.slice(WG * KEYS, KEYS).store(dv.to(v_smem.dtype))
-        fence_async_shared()  # the stores, visible to the copy engine
-        tma_store(DV, [b, h_kv, first_key, 0], _rows_of(v_smem, WG))
-        # dK where its K rows were, once both warpgroups are past their last dQ matmul (which reads all keys)
-        mbarrier.arrive(k_free, count=1)
-        mbarrier.wait(k_free, 0)
-        k_smem.slice(WG * KEYS, KEYS).store((dk * scale).to(k_smem.dtype))
-        fence_async_shared()
-        tma_store(DK, [b, h_kv, first_key, 0], _rows_of(k_smem, WG))
-        tma.store_wait(0)  # both read before the program's shared memory goes
+    store_key_gradients(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, k_smem,
+                        v_smem, k_free, b, h_kv, first_key, Tk, scale, WG)
 
 # one function per consumer warpgroup, as gluon_forward._softmax_rows_0/_1: a partition's WG is fixed in it
 @gluon.jit

@@ -35,7 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .gluon_common import document_span, gather_rows, key_block, row_sources, tma_load, tma_store
-from .gluon_softmax import fold_sink, mask_keys, needs_mask, softmax_step, tile_terms
+from .gluon_softmax import (acc_layout, alibi_slope, first_key_tile, fold_sink, item_rows, k_done, score_half_tile,
+                            scored_tile, softmax_step, v_slot_of, wait_tile)
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
 
@@ -162,32 +163,6 @@ def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
     return slot
 
 @gluon.jit
-def _wait_tile(ring, ready, t):
-    """-> the slot of key tile number t (over the program's items) in its ring, once the tile is in."""
-    SLOTS: gl.constexpr = ring.shape[0]
-    slot = t % SLOTS
-    mbarrier.wait(ready.index(slot), (t // SLOTS) & 1)
-    return slot
-
-@gluon.jit
-def _v_slot(v_smem, v_ready, t, k_slot, SPLIT: gl.constexpr):
-    """-> V_t's slot, once V_t is in: with split rings its own, after a wait of its own; with one ring K_t's slot
-    k_slot, whose wait counted V_t in too (_load_tiles)."""
-    if SPLIT:
-        return _wait_tile(v_smem, v_ready, t)
-    else:
-        return k_slot
-
-@gluon.jit
-def _k_done(k_empty, slot, SPLIT: gl.constexpr):
-    """S of the K tile in `slot` is computed: with split rings the producer may refill its slot now (with one
-    ring it waits for the V beside it, released after P V)."""
-    if SPLIT:
-        mbarrier.arrive(k_empty.index(slot), count=1)
-
-# One function, not phases: Gluon inlines @gluon.jit helpers, but split into them (its epilogue, say) the document
-# builds come out of ptxas scheduled and allocated otherwise (docs/perf_notes.md section 12): a split waits for a GPU.
-@gluon.jit
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
                   diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
@@ -207,113 +182,59 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     O_STAGED: gl.constexpr = o_staged(Q_BUFFERS, CONSUMERS, K_STAGES, V_STAGES, BLOCK_N, HEAD_DIM)  # as allocated
     DOCUMENTS: gl.constexpr = SPANS is not None  # §14, as _load_tiles
     # §15 FlashAttention's terms, each compiled in only where the call has it (None survives the hand-over to a
-    # partition as a constant): softcap and ALiBi change the scores before the mask and the max (tile_terms), the sink
-    # joins each row's denominator after the last tile (fold_sink)
-    TERMS: gl.constexpr = softcap is not None or SLOPES is not None
+    # partition as a constant): softcap and ALiBi change the scores before the mask and the max (scored_tile), the
+    # sink joins each row's denominator after the last tile (fold_sink)
     SINKS: gl.constexpr = SINK_LOGITS is not None
-    # wgmma's accumulator layouts: 4 warps stacked along the rows, instructions 16 rows by N (or D) columns
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    o_layout: gl.constexpr = acc_layout(HEAD_DIM)  # wgmma's accumulator layouts: O's, and S's (acc_layout(BLOCK_N))
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
+    s_rows: gl.constexpr = gl.SliceLayout(1, acc_layout(BLOCK_N))
     # At hs=128 S = Q K^T takes Q from registers (32 per thread), so the wgmma reads only K from shared memory,
     # the busier unit at hs=128: with both operands there, a 64-key tile asks shared memory for all the bytes per
     # clock it has. At hs=64 the softmax is the busier unit, and Q stays in shared memory (§12 "Overlap inside a
     # consumer"; faster at hs=128, slower at hs=64: docs/perf_notes.md, 'hs=128: Q in registers').
     Q_IN_REGISTERS: gl.constexpr = HEAD_DIM == 128
-    q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(BLOCK_N), k_width=2)
     # A last key tile of which no row sees past the first half (under the causal mask, the diagonal tile of the
     # first warpgroup's rows) is taken by that half only: S of N/2 columns, the same rows in each thread. Only at
     # hs=64 with two consumers: with three, and at hs=128, ptxas schedules the builds' main loops worse and the
     # tile is taken whole (§12 "Half a tile at the diagonal"; docs/perf_notes.md, 'half a tile at the
     # diagonal'). So where the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
     HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, HALF_N, 16])
-    half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
     seen_tiles = 0  # key tiles of earlier items
     for item in range(program_items(n_work, per_turn)):
         bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
                                                        BLOCK_M, DOCUMENTS)
         ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
-        first_row = start_m + WG * ROWS
-        slope = None
-        if SLOPES is not None:  # §15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale
-            slope = gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
-                1.4426950408889634 / qk_scale)
-        # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
-        # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
-        # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
-        # and Tq = 1024, two of them) store nothing: they take one tile and release the others unread.
-        last_row = gl.minimum(first_row + ROWS, Tq) - 1
-        last_key = gl.minimum(last_row + diag, Tk - 1)
-        mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
-        # §14 documents: the first key every row's document holds (tiles before it are masked; all of them where
-        # the ids are not runs) and the end of the first row's (tiles past it are masked)
-        every_from = 0
-        if DOCUMENTS:
-            every_from, last_end = document_span(SPANS, bh // H, last_row, Tq)
-            if IDS is not None:
-                every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
-            last_key = gl.minimum(last_key, last_end - 1)
-            _, first_end = document_span(SPANS, bh // H, gl.minimum(first_row, Tq - 1), Tq)
-            mask_from = gl.minimum(mask_from, first_end)
-        n_mine = gl.where(first_row < Tq, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1),
-                          first_tile + 1)
-        # key tiles taken whole: all but a last one of which no row sees past the first half (and not the first),
-        # where HALF_TILES
-        last_seen = last_key - (n_mine - 1) * BLOCK_N  # in the last tile
-        n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < HALF_N), n_mine - 1, n_mine)
+        slope = alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale)
+        first_row, mask_from, every_from, n_mine, n_full, q = item_rows(
+            start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC, WG, BLOCK_N,
+            HALF_TILES, Q_IN_REGISTERS, q_operand)
         buffer = item % Q_BUFFERS
-        mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
-        if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmma that reads them
-            fence_async_shared()
-        if Q_IN_REGISTERS:
-            q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
-            # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
-            # fence the next item's Q may land before they are done, and rows come out wrong (§12)
-            fence_async_shared()
-            mbarrier.arrive(q_empty.index(buffer), count=1)  # Q read: the next item's may load
-        else:
-            q = q_smem.index(buffer * CONSUMERS + WG)
 
         # tile 0 alone: S_0, its softmax; from then on each S_j goes to the tensor cores with P_{j-1} V_{j-1}.
         # With split rings each K is released once its S is computed, each V once its P V is; with one ring both
-        # once the P V is
-        k_slot = _wait_tile(k_smem, k_ready, seen_tiles)
-        s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
-                                gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
-        _k_done(k_empty, k_slot, SPLIT)
-        if TERMS:
-            s = tile_terms(s, first_row, first_tile * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
-        if needs_mask(first_tile * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-            s = mask_keys(s, first_row, first_tile * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
-                           s_layout)
-        m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
-        p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = gl.sum(p, 1)
+        # once the P V is. The loop carries k_slot, m_i, p, l_i, acc in the order they are first assigned here: in
+        # another order ptxas allocates the document builds otherwise
+        k_slot, m_i, p, l_i = first_key_tile(q, k_smem, k_ready, k_empty, seen_tiles, first_tile, first_row,
+                                             bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope,
+                                             SPANS, IDS, stride_ids, SPLIT)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-
         for j in range(first_tile + 1, n_full):
+            # kept inline: as a helper (K_j's wait to the softmax step), its own instructions open the loop body at
+            # hs=128, and ptxas allocates the document build otherwise (docs/perf_notes.md section 12)
             prev = k_slot
-            k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
+            k_slot = wait_tile(k_smem, k_ready, ring0 + j)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
-                                    gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-            v_slot = _v_slot(v_smem, v_ready, ring0 + j - 1, prev, SPLIT)
+                                    gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout(BLOCK_N)), use_acc=False,
+                                    is_async=True)
+            v_slot = v_slot_of(v_smem, v_ready, ring0 + j - 1, prev, SPLIT)
             o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
-            _k_done(k_empty, k_slot, SPLIT)
-            if TERMS:
-                s = tile_terms(s, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, s_layout)
-            if needs_mask(j * BLOCK_N, mask_from, every_from, BLOCK_N, DOCUMENTS):
-                s = mask_keys(s, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids,
-                               s_layout)
+            k_done(k_empty, k_slot, SPLIT)
+            s = scored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap,
+                            slope, SPANS, IDS, stride_ids)
             p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
             # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
@@ -322,49 +243,37 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             mbarrier.arrive(v_empty.index(v_slot), count=1)  # done with V_{j-1} (one ring: K_{j-1} too): refill
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         # each branch waits for its last P V itself: with a wgmma in flight across the join, ptxas serializes
-        # every wgmma of the kernel
+        # every wgmma of the kernel. From here to the item's end (the last P V, the unread tiles, O and lse) the
+        # code stays inline: a helper's edges there fall between instructions of this function, and ptxas
+        # allocates the document builds otherwise (docs/perf_notes.md section 12)
         if HALF_TILES and n_full < n_mine:
             # the last tile's second half lies past every row's last key (under the causal mask, the diagonal
             # tile of the first warpgroup's rows): S and P V over its first half only (§12 "Half a tile at the
             # diagonal")
-            prev = k_slot
-            k_slot = _wait_tile(k_smem, k_ready, ring0 + n_full)
-            p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            k_half = k_smem.index(k_slot).slice(0, HALF_N)  # (N/2, D)
-            half_token = warpgroup_mma(q, k_half.permute((1, 0)),
-                                       gl.zeros([ROWS, HALF_N], gl.float32, half_layout), use_acc=False,
-                                       is_async=True)
-            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, prev, SPLIT)
-            o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
-            s_half = warpgroup_mma_wait(1, deps=[half_token])
-            _k_done(k_empty, k_slot, SPLIT)
-            if TERMS:
-                s_half = tile_terms(s_half, first_row, n_full * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
-            s_half = mask_keys(s_half, first_row, n_full * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS,
-                                stride_ids, half_layout)
-            p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
-                                                          gl.convert_layout(l_i, half_rows), qk_scale)
+            k_slot, v_slot, o_token, p_half, alpha, m_half, l_half = score_half_tile(
+                ring0 + n_full, n_full, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready,
+                first_row, bh, H, diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT)
             m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
             acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(v_empty.index(v_slot), count=1)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full, k_slot, SPLIT)
+            v_slot = v_slot_of(v_smem, v_ready, ring0 + n_full, k_slot, SPLIT)
             o_token = warpgroup_mma(gl.convert_layout(p_half.to(q_smem.dtype), p_layout),
-                                    v_smem.index(v_slot).slice(0, HALF_N), acc, is_async=True)
+                                    v_smem.index(v_slot).slice(0, BLOCK_N // 2), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
         else:
             if not Q_IN_REGISTERS:
                 mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
-            v_slot = _v_slot(v_smem, v_ready, ring0 + n_full - 1, k_slot, SPLIT)
+            v_slot = v_slot_of(v_smem, v_ready, ring0 + n_full - 1, k_slot, SPLIT)
             o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(v_slot), acc,
                                     is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
         mbarrier.arrive(v_empty.index(v_slot), count=1)
         for j in range(n_mine, end_tile):  # tiles only the other warpgroups' rows see: release them unread
-            k_slot = _wait_tile(k_smem, k_ready, ring0 + j)
-            _k_done(k_empty, k_slot, SPLIT)
-            mbarrier.arrive(v_empty.index(_v_slot(v_smem, v_ready, ring0 + j, k_slot, SPLIT)), count=1)
+            k_slot = wait_tile(k_smem, k_ready, ring0 + j)
+            k_done(k_empty, k_slot, SPLIT)
+            mbarrier.arrive(v_empty.index(v_slot_of(v_smem, v_ready, ring0 + j, k_slot, SPLIT)), count=1)
         seen_tiles += end_tile - first_tile
 
         # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf

@@ -1,13 +1,18 @@
 """A consumer warpgroup's tile of scores in the Hopper forward (gluon_forward._softmax_rows): which tiles need the
 mask and the mask itself (§6, §14), FlashAttention's softcap and ALiBi (§15), the online softmax step (§2, §8) and
-the sink folded in after the last tile (§15). Gluon inlines each of these where it is called.
+the sink folded in after the last tile (§15); and the phases of a work item _softmax_rows runs through them: its
+rows and their Q, the first key tile, the half tile at the diagonal, and the ring slots' waits and releases (§12).
+Gluon inlines each of these where it is called.
 
 Imported only where Gluon exists (device.HAS_GLUON), as gluon_common.
 """
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
-from .gluon_common import same_document, score_terms
+from .gluon_common import document_span, same_document, score_terms
 from .shapes import ROWS
 
 
@@ -64,3 +69,156 @@ def softmax_step(s, m_i, l_i, qk_scale):
     p = gl.exp2(s * qk_scale - m_ref[:, None])
     alpha = gl.exp2(m_i - m_ref)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+# The phases of a consumer warpgroup's work item, in the order _softmax_rows takes them: each begins and ends where
+# the code before the split already changed functions, so the sm_90 builds compile to the same SASS
+# (docs/perf_notes.md section 12).
+
+@triton.constexpr_function
+def acc_layout(cols):
+    """wgmma's accumulator layout for `cols` columns (S: BLOCK_N or half of it; O: HEAD_DIM): 4 warps stacked along
+    the rows, instructions 16 rows by `cols` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, cols, 16])
+
+@gluon.jit
+def wait_tile(ring, ready, t):
+    """-> the slot of key tile number t (over the program's items) in its ring, once the tile is in."""
+    SLOTS: gl.constexpr = ring.shape[0]
+    slot = t % SLOTS
+    mbarrier.wait(ready.index(slot), (t // SLOTS) & 1)
+    return slot
+
+@gluon.jit
+def v_slot_of(v_smem, v_ready, t, k_slot, SPLIT: gl.constexpr):
+    """-> V_t's slot, once V_t is in: with split rings its own, after a wait of its own; with one ring K_t's slot
+    k_slot, whose wait counted V_t in too (gluon_forward._load_tiles)."""
+    if SPLIT:
+        return wait_tile(v_smem, v_ready, t)
+    else:
+        return k_slot
+
+@gluon.jit
+def k_done(k_empty, slot, SPLIT: gl.constexpr):
+    """S of the K tile in `slot` is computed: with split rings the producer may refill its slot now (with one
+    ring it waits for the V beside it, released after P V)."""
+    if SPLIT:
+        mbarrier.arrive(k_empty.index(slot), count=1)
+
+@gluon.jit
+def alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale):
+    """§15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale; None without ALiBi."""
+    if SLOPES is not None:
+        return gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
+            1.4426950408889634 / qk_scale)
+    else:
+        return None
+
+@gluon.jit
+def item_rows(start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC,
+              WG: gl.constexpr, BLOCK_N: gl.constexpr, HALF_TILES: gl.constexpr, Q_IN_REGISTERS: gl.constexpr,
+              q_operand: gl.constexpr):
+    """Warpgroup WG's rows of work item `item` (first query row start_m, first key tile first_tile): where they
+    start, the key tiles they see, and their Q once in. -> (first_row, mask_from, every_from, n_mine, n_full, q):
+    the first key not every row sees (tiles reaching past it are masked), with SPANS the first key every row's
+    document holds (§14; 0 without), the end of the rows' key tiles, the end of those taken whole (all but a last
+    one of which no row sees past the first half, and not the first, where HALF_TILES), and Q: in registers
+    (q_operand, its buffer released at once) or its tile in shared memory (released after the item's last S).
+    One phase, not two (bounds, then Q): the edge between two helpers would fall between instructions of one
+    function, and ptxas allocates the document builds otherwise (docs/perf_notes.md section 12)."""
+    first_row = start_m + WG * ROWS
+    # §6 the key tiles any of these rows sees (at least one: a row that sees no key still gets its 0 and
+    # +inf from a fully masked tile), and the first key not every row sees: tiles reaching past it are masked.
+    # Rows all past Tq (the last item of a head when 64 * CONSUMERS does not divide Tq: with three consumers
+    # and Tq = 1024, two of them) store nothing: they take one tile and release the others unread.
+    last_row = gl.minimum(first_row + ROWS, Tq) - 1
+    last_key = gl.minimum(last_row + diag, Tk - 1)
+    mask_from = gl.minimum(first_row + diag, Tk - 1) + 1
+    # §14 documents: the first key every row's document holds (tiles before it are masked; all of them where
+    # the ids are not runs) and the end of the first row's (tiles past it are masked)
+    every_from = 0
+    if SPANS is not None:
+        every_from, last_end = document_span(SPANS, bh // H, last_row, Tq)
+        if IDS is not None:
+            every_from = gl.where(gl.load(SPANS + (bh // H).to(gl.int64) * 2 * Tq) == 0, every_from, Tk)
+        last_key = gl.minimum(last_key, last_end - 1)
+        _, first_end = document_span(SPANS, bh // H, gl.minimum(first_row, Tq - 1), Tq)
+        mask_from = gl.minimum(mask_from, first_end)
+    n_mine = gl.where(first_row < Tq, gl.maximum(gl.cdiv(last_key + 1, BLOCK_N), first_tile + 1),
+                      first_tile + 1)
+    last_seen = last_key - (n_mine - 1) * BLOCK_N  # in the last tile
+    n_full = gl.where(HALF_TILES & (n_mine > first_tile + 1) & (last_seen < BLOCK_N // 2), n_mine - 1, n_mine)
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    CONSUMERS: gl.constexpr = q_smem.shape[0] // Q_BUFFERS
+    buffer = item % Q_BUFFERS
+    mbarrier.wait(q_ready.index(buffer), (item // Q_BUFFERS) & 1)
+    if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmma that reads them
+        fence_async_shared()
+    if Q_IN_REGISTERS:
+        q = q_smem.index(buffer * CONSUMERS + WG).load(q_operand)  # (ROWS, D)
+        # these reads are the generic proxy's, the copy engine's refill the async proxy's: without the
+        # fence the next item's Q may land before they are done, and rows come out wrong (§12)
+        fence_async_shared()
+        mbarrier.arrive(q_empty.index(buffer), count=1)  # Q read: the next item's may load
+    else:
+        q = q_smem.index(buffer * CONSUMERS + WG)
+    return first_row, mask_from, every_from, n_mine, n_full, q
+
+@gluon.jit
+def scored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope, SPANS,
+                IDS, stride_ids):
+    """The scores s (ROWS, N) of the key tile at start_n as the softmax takes them: §15 softcap and ALiBi first
+    (tile_terms), then where some row does not see some key of the tile (needs_mask), the mask (mask_keys)."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = acc_layout(BLOCK_N)
+    if softcap is not None or slope is not None:
+        s = tile_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout)
+    if needs_mask(start_n, mask_from, every_from, BLOCK_N, SPANS is not None):
+        s = mask_keys(s, first_row, start_n, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
+    return s
+
+@gluon.jit
+def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
+                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr):
+    """The item's first key tile alone (its key tile first_tile, ring tile number t): S and its softmax, nothing
+    to rescale yet. -> (its K slot, the running max, P, the running sum)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    k_slot = wait_tile(k_smem, k_ready, t)
+    s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
+                            gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout(BLOCK_N)), use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
+    k_done(k_empty, k_slot, SPLIT)
+    s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap,
+                    slope, SPANS, IDS, stride_ids)
+    m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+    p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return k_slot, m_i, p, gl.sum(p, 1)
+
+@gluon.jit
+def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready, first_row, bh, H,
+                    diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr):
+    """A last key tile j (ring tile number t) taken by its first half, its second lying past every row's last key:
+    S over the first half only (N/2 columns) issued together with P_{j-1} V_{j-1} (k_slot: K_{j-1}'s), always
+    masked, in its own layout (acc_layout(N/2)), and its softmax while the P V may still run.
+    -> (K_j's slot, V_{j-1}'s, the P V's token, P_j's half, alpha, the running max and sum in that layout)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    half_layout: gl.constexpr = acc_layout(HALF_N)
+    half_rows: gl.constexpr = gl.SliceLayout(1, half_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout(k_smem.shape[2]), k_width=2)
+    prev = k_slot
+    k_slot = wait_tile(k_smem, k_ready, t)
+    p_op = gl.convert_layout(p.to(k_smem.dtype), p_layout)
+    k_half = k_smem.index(k_slot).slice(0, HALF_N)  # (N/2, D)
+    half_token = warpgroup_mma(q, k_half.permute((1, 0)), gl.zeros([ROWS, HALF_N], gl.float32, half_layout),
+                               use_acc=False, is_async=True)
+    v_slot = v_slot_of(v_smem, v_ready, t - 1, prev, SPLIT)
+    o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
+    s_half = warpgroup_mma_wait(1, deps=[half_token])
+    k_done(k_empty, k_slot, SPLIT)
+    if softcap is not None or slope is not None:
+        s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
+    s_half = mask_keys(s_half, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, half_layout)
+    p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
+                                                 gl.convert_layout(l_i, half_rows), qk_scale)
+    return k_slot, v_slot, o_token, p_half, alpha, m_half, l_half
