@@ -239,16 +239,15 @@ def failure(e: Exception) -> str:
     return f"error: {first_line(e)}"
 
 
-def inputs_of(shape: Shape, dtype, device, layout: str = "contiguous") -> tuple:
+def inputs_of(B: int, nh: int, T: int, hs: int, dtype, device, layout: str = "contiguous") -> tuple:
     """q, k, v (B, nh, T, hs) leaves that require grad, and dO: contiguous, or with layout "model" as a model's fused
     qkv projection leaves them (transposed views of one (B, T, 3, nh, hs) tensor, none contiguous)."""
-    size = (shape.B, shape.nh, shape.T, shape.hs)
     if layout == "model":
-        packed = torch.randn(shape.B, shape.T, 3, shape.nh, shape.hs, device=device, dtype=dtype)
+        packed = torch.randn(B, T, 3, nh, hs, device=device, dtype=dtype)
         q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in packed.unbind(2))
     else:
-        q, k, v = (torch.randn(size, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    return q, k, v, torch.randn(size, device=device, dtype=dtype)
+        q, k, v = (torch.randn(B, nh, T, hs, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(B, nh, T, hs, device=device, dtype=dtype)
 
 
 def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, device, rep_ms: float,
@@ -262,7 +261,7 @@ def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, dev
     cells = {name: {} for name in fns}
     inputs, steps = {}, []  # steps: the (name, pass) that ran their warm-up
     for name, fn in fns.items():
-        inputs[name] = inputs_of(shape, dtype, device, layout)
+        inputs[name] = inputs_of(shape.B, shape.nh, shape.T, shape.hs, dtype, device, layout)
         for pass_ in passes_of[name]:
             try:
                 pass_step(fn, pass_, *inputs[name], shape.causal)()

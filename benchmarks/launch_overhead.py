@@ -26,6 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
+from benchmarks.attention import inputs_of
 from benchmarks.report import write_results
 
 def host_us(fn, calls=40) -> tuple[float, float]:
@@ -140,9 +141,7 @@ def measure(shapes: dict, rounds: int) -> list[dict]:
     rotating order."""
     rows = []
     for shape_name, (B, nh, T, hs) in shapes.items():
-        qkv = torch.randn(B, T, 3, nh, hs, device="cuda", dtype=torch.bfloat16)
-        q, k, v = (t.transpose(1, 2).detach().requires_grad_() for t in qkv.unbind(2))  # (B, nh, T, hs) views
-        do = torch.randn(B, nh, T, hs, device="cuda", dtype=torch.bfloat16)
+        q, k, v, do = inputs_of(B, nh, T, hs, torch.bfloat16, "cuda", "model")  # views of one (B, T, 3, nh, hs)
         for grad in (False, True):
             calls = {name: make_call(backend, kernel, q, k, v, do, grad)
                      for name, (backend, kernel) in BACKENDS.items()}

@@ -93,7 +93,7 @@ def test_cpu_run_measures_every_family_and_reports_from_the_json(tmp_path):
 def test_model_layout_runs_on_views_of_one_projection_and_says_so(tmp_path):
     from benchmarks.attention import inputs_of
 
-    q, k, v, do = inputs_of(Shape(2, 3, 32, 16, True, "grid"), torch.float32, torch.device("cpu"), "model")
+    q, k, v, do = inputs_of(2, 3, 32, 16, torch.float32, torch.device("cpu"), "model")
     assert q.is_leaf and q.requires_grad and not k.is_contiguous() and q.shape == do.shape == (2, 3, 32, 16)
     assert q.stride() == (32 * 3 * 3 * 16, 16, 3 * 3 * 16, 1)  # (B, T, 3, nh, hs) underneath
     results, md = run_benchmark(tmp_path, "--families", "moba", "--seq_lens", "64", "--passes", "fwd+bwd",

@@ -6,16 +6,15 @@ reads, becomes a row of one cross-attention problem whose rows and keys see each
     o, lse, src, key_spans = forward(q, k, v, selection, block_size, scale)
     dq, dk, dv = backward(do, q, k, v, o, lse, src, key_spans, scale)
 
-The keys are k and v as they are, one sequence of B*Hkv*T rows that the kernels read where they lie. The rows are the entries block by block:
-for each (batch, kv head, key block) a segment, its own entries first (query by query, the group's heads side by
-side), then every entry that chose it as a past block, padded to a whole forward tile. The kernels' producer warps
-read each row from its query's row of q (and of dO in the backward; gather_rows), so that no gathered
-copy of either is made. A row's span
-is the keys it sees: its block, and for an own entry the block up to the query. A key's span is the rows that see
-it: from the own rows of its query on to the segment's end, one interval, so the backward needs nothing else.
-The forward leaves an output and lse per row, which a merge by log-sum-exp combines per query; the backward adds
-each row's dQ into its query's row of one float32 buffer, and leaves dK, dV whole, the keys' gradients from all their
-rows.
+The keys are k and v as they are, one sequence of B*Hkv*T rows that the kernels read where they lie. The rows are the
+entries block by block: for each (batch, kv head, key block) a segment, its own entries first (query by query, the
+group's heads side by side), then every entry that chose it as a past block, padded to a whole forward tile. The
+kernels' producer warps read each row from its query's row of q (and of dO in the backward; gather_rows), so that no
+gathered copy of either is made. A row's span is the keys it sees: its block, and for an own entry the block up to the
+query. A key's span is the rows that see it: from the own rows of its query on to the segment's end, one interval, so
+the backward needs nothing else. The forward leaves an output and lse per row, which a merge by log-sum-exp combines per
+query; the backward adds each row's dQ into its query's row of one float32 buffer, and leaves dK, dV whole, the keys'
+gradients from all their rows.
 """
 import torch
 import triton

@@ -105,16 +105,15 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
              gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
-    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as
-    forward takes them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem
-    as forward takes row_src (§11): its n query rows read q, dO, lse and Delta at their source rows,
-    and add their dS K (unscaled, by atomics) into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller
-    reads (finish_dq); dq is None, k and v the problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their
-    gradients as one flat sequence. term_args: §15's (softcap,
-    slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call does not
-    have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main kernel
-    and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three
-    launches for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
+    float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as forward takes
+    them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem as forward takes row_src
+    (§11): its n query rows read q, dO, lse and Delta at their source rows, and add their dS K (unscaled, by atomics)
+    into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller reads (finish_dq); dq is None, k and v the
+    problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their gradients as one flat sequence. term_args:
+    §15's (softcap, slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call
+    does not have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main
+    kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three launches
+    for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
     forward.term_values(term_args)'s."""
     B, Hq, T, D = q.shape
     row_src, given_dq_acc = gathered or (None, None)
