@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..tl_tiles import LOG2E
 from .gluon_common import copy_load, document_span, gather_rows, key_block, row_sources, score_terms, tma_load
-from .gluon_dq import add_dq_cols, dq_cols
+from .gluon_dq import add_dq_cols, dq_cols, dq_targets
 from .gluon_query_tile import (document_rows, issue_dq, issue_dv_wait_dp, issue_scores, masked_scores, probabilities,
                                query_slope, query_tile, share_ds, store_key_gradients)
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
@@ -217,8 +217,10 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         slot = t % STAGES
         buf = t % 2
         start_m = query_tile(t, bh_kv, GROUP, first_m, per_head)[1]
-        slope = query_slope(SLOPES, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], b, H_kv, GROUP,
-                            stride_slopes_b, stride_slopes_h, scale)
+        slope = None  # without ALiBi (Triton 3.6 returns no None from a function, so the branch is here)
+        if SLOPES is not None:
+            slope = query_slope(SLOPES, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], b, H_kv, GROUP,
+                                stride_slopes_b, stride_slopes_h, scale)
         mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
         if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmmas that read them
             fence_async_shared()
@@ -252,8 +254,10 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             takes_dq = u >= 0
             n_dq = u
         if takes_dq:
-            dq_token, bh_u, start_u, targets = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head,
-                                                        ROW_SRC, Tq, HEAD_DIM)
+            dq_token, bh_u, start_u = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head)
+            targets = None  # the copy engine adds dQ into the head's rows; a gathered problem's rows say where
+            if ROW_SRC is not None:
+                targets = dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1])
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_token, dk_token, dq_token])
             mbarrier.arrive(qdo_empty.index(slot), count=1)  # Q, dO of this slot read: the producer may refill
             add_dq_cols(WG, u, n_dq, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
@@ -263,8 +267,10 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     if WG * LAG == 1:  # warpgroup 1 at hs=128, a tile behind: the last tile's dQ half is still to do
         if n_tiles > 0:
             u = n_tiles - 1
-            dq_token, bh_u, start_u, targets = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head,
-                                                        ROW_SRC, Tq, HEAD_DIM)
+            dq_token, bh_u, start_u = issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head)
+            targets = None
+            if ROW_SRC is not None:
+                targets = dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1])
             dq = warpgroup_mma_wait(0, deps=[dq_token])
             add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
     tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes

@@ -206,7 +206,9 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
                                                        BLOCK_M, DOCUMENTS)
         ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
-        slope = alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale)
+        slope = None  # without ALiBi (Triton 3.6 returns no None from a function, so the branch is here)
+        if SLOPES is not None:
+            slope = alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale)
         first_row, mask_from, every_from, n_mine, n_full, q = item_rows(
             start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC, WG, BLOCK_N,
             HALF_TILES, Q_IN_REGISTERS, q_operand)

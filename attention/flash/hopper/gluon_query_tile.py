@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .gluon_common import document_span, same_document, tma_store
-from .gluon_dq import dq_product, dq_targets
+from .gluon_dq import dq_product
 from .shapes import KEY_BLOCK, KEYS, QUERY_BLOCK
 
 
@@ -38,13 +38,9 @@ def document_rows(SPANS, IDS, b, first_key, Tq, Tk):
 
 @gluon.jit
 def query_slope(SLOPES, bh, b, H_kv, GROUP, stride_slopes_b, stride_slopes_h, scale):
-    """§15 the ALiBi slope of query head bh (batch*head), in S^T's units (score_terms): slope / scale; None
-    without ALiBi."""
-    if SLOPES is not None:
-        h_q = bh - b * H_kv * GROUP
-        return gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) / scale
-    else:
-        return None
+    """§15 the ALiBi slope of query head bh (batch*head), in S^T's units (score_terms): slope / scale."""
+    h_q = bh - b * H_kv * GROUP
+    return gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) / scale
 
 @gluon.jit
 def issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem, SOFTCAP: gl.constexpr, LATE_DP: gl.constexpr,
@@ -53,7 +49,7 @@ def issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem, SOFTCAP: gl.
     dP^T later, beside dV: _key_gradients). With ROWS_FIRST (hs=128) S^T and dP^T start from -lse / scale and
     -Delta instead of zero and come out with them subtracted: the (M,) values are spent before the wgmmas are
     issued, and take no registers over the exp2s and dS, where the consumer's registers peak (row_values_first).
-    -> (S^T (KEYS, M) once in, dP^T's token, still running; None with LATE_DP)."""
+    -> (S^T (KEYS, M) once in, dP^T's token, still running; 0 with LATE_DP)."""
     if SOFTCAP:  # §15 S^T itself, capped before lse is subtracted; dP^T from zero, or with LATE_DP later
         st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
         if not LATE_DP:
@@ -65,8 +61,8 @@ def issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem, SOFTCAP: gl.
     else:
         st_token = warpgroup_mma(k_mine, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
         dpt_token = warpgroup_mma(v_mine, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-    if LATE_DP:
-        return warpgroup_mma_wait(0, deps=[st_token]), gl.constexpr(None)
+    if LATE_DP:  # no dP^T token: 0 in its place (Triton 3.6 returns no None from a function), never read
+        return warpgroup_mma_wait(0, deps=[st_token]), 0
     else:
         return warpgroup_mma_wait(1, deps=[st_token]), dpt_token  # S^T (KEYS, M), less lse / scale if ROWS_FIRST
 
@@ -140,17 +136,14 @@ def share_ds(dst, ds_smem, ds_ready, ds_empty, t, WG: gl.constexpr):
     mbarrier.arrive(ds_ready.index(buf), count=1)
 
 @gluon.jit
-def issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head, ROW_SRC, Tq, HEAD_DIM: gl.constexpr):
+def issue_dq(u, ds_smem, k_dq, ds_ready, bh_kv, GROUP, first_m, per_head):
     """The warpgroup's dQ of query tile u issued (dq_product; k_dq: the columns of K it computes), and where it
-    goes, read while the wgmma runs: the query head and first row, and for a gathered problem the rows' targets
-    (dq_targets; None otherwise: the copy engine adds into the head's rows).
-    -> (the wgmma's token, the query head's batch*head, first row, targets)."""
+    goes, read while the wgmma runs: the query head and first row (a gathered problem's caller reads its rows'
+    targets too, dq_targets: Triton 3.6 returns no None from a function, which the targets are without one).
+    -> (the wgmma's token, the query head's batch*head, first row)."""
     dq_token = dq_product(u, ds_smem, k_dq, ds_ready)
     bh_u, start_u = query_tile(u, bh_kv, GROUP, first_m, per_head)
-    if ROW_SRC is None:
-        return dq_token, bh_u, start_u, gl.constexpr(None)
-    else:
-        return dq_token, bh_u, start_u, dq_targets(ROW_SRC, bh_u, start_u, Tq, HEAD_DIM, k_dq.shape[1])
+    return dq_token, bh_u, start_u
 
 @gluon.jit
 def rows_of(kv_smem, WG: gl.constexpr):

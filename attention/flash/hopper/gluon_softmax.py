@@ -107,12 +107,9 @@ def k_done(k_empty, slot, SPLIT: gl.constexpr):
 
 @gluon.jit
 def alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale):
-    """§15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale; None without ALiBi."""
-    if SLOPES is not None:
-        return gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
-            1.4426950408889634 / qk_scale)
-    else:
-        return None
+    """§15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale."""
+    return gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
+        1.4426950408889634 / qk_scale)
 
 @gluon.jit
 def item_rows(start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC,
