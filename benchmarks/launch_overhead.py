@@ -117,14 +117,36 @@ def print_timelines(q, k, v, do, rounds: int = 2) -> None:
 
 
 SHAPES = {"tiny": (1, 1, 128, 64), "gpt2": (16, 12, 1024, 64)}  # B, nh, T, hs: bf16, causal
-# backend label -> (attention backend, the sdpa kernel it is held to)
-BACKENDS = {"triton": ("triton", None), "triton-again": ("triton", None),
-            "cudnn": ("sdpa", SDPBackend.CUDNN_ATTENTION), "fa2": ("sdpa", SDPBackend.FLASH_ATTENTION)}
 
 
-def make_call(backend: str, kernel, q, k, v, do, grad: bool):
+def _python_path():
+    """triton's calls on the Python launch path (native.py's launcher off), where the checkout has one."""
+    try:
+        from attention.flash.native import python_path
+    except ImportError:  # a checkout from before the native launcher: every call takes the Python path
+        return contextlib.nullcontext()
+    return python_path()
+
+
+def _native_built() -> None:
+    """Wait for the native launcher's build (it builds in the background on a process's first eager call), so that
+    every timed call of triton's has it where the checkout has one."""
+    try:
+        from attention.flash.native import wait
+    except ImportError:
+        return
+    wait()
+
+
+# backend label -> (attention backend, the context it runs in: the sdpa kernel it is held to, the launch path)
+BACKENDS = {"triton": ("triton", contextlib.nullcontext), "triton-again": ("triton", contextlib.nullcontext),
+            "triton-python": ("triton", _python_path),
+            "cudnn": ("sdpa", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
+            "fa2": ("sdpa", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))}
+
+
+def make_call(backend: str, context, q, k, v, do, grad: bool):
     """One eager call as a user makes it: attention() alone, or attention() then torch.autograd.grad."""
-    context = (lambda: sdpa_kernel(kernel)) if kernel is not None else contextlib.nullcontext
 
     def call():
         with context():
@@ -140,11 +162,12 @@ def measure(shapes: dict, rounds: int) -> list[dict]:
     """-> a row per (shape, pass, backend): median host and wall us per call (host_us) over rounds, the backends in
     rotating order."""
     rows = []
+    _native_built()
     for shape_name, (B, nh, T, hs) in shapes.items():
         q, k, v, do = inputs_of(B, nh, T, hs, torch.bfloat16, "cuda", "model")  # views of one (B, T, 3, nh, hs)
         for grad in (False, True):
-            calls = {name: make_call(backend, kernel, q, k, v, do, grad)
-                     for name, (backend, kernel) in BACKENDS.items()}
+            calls = {name: make_call(backend, context, q, k, v, do, grad)
+                     for name, (backend, context) in BACKENDS.items()}
             times = {name: [] for name in calls}
             for r in range(rounds):
                 names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
@@ -171,7 +194,7 @@ def table(rows: list[dict]) -> str:
 def profile(q, k, v, do) -> None:
     """cProfile's top functions of triton's eager forward+backward, the backward on the calling thread (cProfile sees
     one thread)."""
-    call = make_call("triton", None, q, k, v, do, grad=True)
+    call = make_call("triton", contextlib.nullcontext, q, k, v, do, grad=True)
     with torch.autograd.set_multithreading_enabled(False):
         call()
         profiler = cProfile.Profile()
@@ -202,7 +225,7 @@ def main(argv=None):
         return
     rows = measure(SHAPES, args.rounds)
     text = (f"{torch.cuda.get_device_name()}, bf16 causal, eager; host us per call (wall us per call), medians of "
-            f"{args.rounds} rotating rounds; triton-again: the A/A pair\n\n{table(rows)}")
+            f"{args.rounds} rotating rounds; triton-again: the A/A pair; triton-python: the Python launch path\n\n{table(rows)}")
     print(text)
     if args.out_dir:
         write_results(args.out_dir, rows, text)

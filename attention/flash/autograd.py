@@ -29,8 +29,9 @@ take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled)
 """
 import torch
 
-from . import dispatch
+from . import dispatch, native
 from ..inputs import check_qkv, check_terms, unpack_qkv
+from .launch import recording
 from .ops import define_op
 from .terms import NO_TERMS, Terms, plain_call, terms_of
 from ..block_mask import sequence_spans
@@ -201,18 +202,73 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch
     return dqkv, grads[3] if terms.sinks is not None else None
 
 
+# native.py's plans by id -> (causal, scale, the forward's plan key): what a backward without a kept pass needs
+_native_calls: dict[int, tuple] = {}
+
+
+def _native_module(q, mask: dispatch.MaskArgs, varlen, terms: Terms, v):
+    """The native extension where this call's plan may be kept there (a dense CUDA call without terms, §9 "Launches
+    without Python"), else None."""
+    if mask is not dispatch.DENSE or varlen is not None or not q.is_cuda or not plain_call(terms, q, v):
+        return None
+    return native.module()
+
+
+def _keep_forward(module, given: tuple, inside: tuple, outputs: tuple, record, causal: bool, scale: float,
+                  plan_key) -> int | None:
+    """Keep a plan's recorded forward in the native extension: -> its id there, or None (not a plan run, or a launch
+    C++ cannot make)."""
+    forward_pass = native.make_pass(record.launches, given, inside, outputs) if record.planned else None
+    if forward_pass is None:
+        return None
+    plan = module.add_plan(list(given), causal, scale, forward_pass)
+    _native_calls[plan] = (causal, scale, plan_key)
+    return plan
+
+
+def _keep_backward(plan: int | None, given: tuple, inside: tuple, outputs: tuple, record) -> None:
+    """Keep a plan's recorded backward for dO's layout (given[0]) beside its forward."""
+    module = native.module()
+    backward_pass = native.make_pass(record.launches, given, inside, outputs) if record.planned else None
+    if plan is not None and module is not None and backward_pass is not None:
+        module.add_backward(plan, given[0], backward_pass)
+
+
+def native_backward_miss(plan: int, do, *saved) -> list:
+    """native_launch.cpp's backward of a plan without a pass for this dO's layout: the Python path, recorded and kept
+    for the next one. saved: the forward's (q, k, v, o, lse), or (qkv, o, lse) for a packed call."""
+    causal, scale, plan_key = _native_calls[plan]
+    packed = len(saved) == 3
+    with recording() as record:
+        if packed:
+            grads = _packed_backward(do, *saved, causal, scale, dispatch.DENSE, plan_key)[:1]  # dqkv
+        else:
+            grads = dispatch.backward(do, *saved, causal, scale, forward_key=plan_key)
+    inside = (False, True, False, False) if packed else (False,) * 6
+    _keep_backward(plan, (do, *saved), inside, grads, record)
+    return list(grads)
+
+
+native.set_backward_miss(native_backward_miss)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     """Eager autograd for the kernels (torch.compile takes the operators, module docstring). varlen: a
     dispatch.Varlen for q (total_q, Hq, D), k and v (total_k, Hkv, D) (§14). softcap, alibi_slopes, sinks: §15's
     terms (Terms); the sinks get a gradient. ctx.plan_key: the forward's plan key, which with dO's layout
-    keys the backward's plan (dispatch.forward_key)."""
+    keys the backward's plan (dispatch.forward_key). ctx.native: the plan's id in the native extension, where a run of
+    the plan was kept there (§9 "Launches without Python"; later calls of the key go there instead)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask: dispatch.MaskArgs, varlen=None, softcap: float = 0.0,
                 alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
         terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
-        o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
+        module = _native_module(q, mask, varlen, terms, v)
+        with recording(on=module is not None) as record:
+            o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
+        ctx.native = None if module is None else _keep_forward(module, (q, k, v), (False,) * 3, (o, lse), record,
+                                                               causal, scale, ctx.plan_key)
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, dropout_seed)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
         ctx.dropout_p = dropout_p
@@ -224,8 +280,11 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
         terms = terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed)
-        grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
-                                  forward_key=ctx.plan_key, terms=terms)
+        with recording(on=ctx.native is not None) as record:
+            grads = dispatch.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.mask, varlen=ctx.varlen,
+                                      forward_key=ctx.plan_key, terms=terms)
+        if ctx.native is not None:
+            _keep_backward(ctx.native, (do, q, k, v, o, lse), (False,) * 6, grads[:3], record)
         return *grads[:3], None, None, None, None, None, None, grads[3] if sinks is not None else None, None, None
 
 
@@ -241,7 +300,11 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
         q, k, v = unpack_qkv(qkv)
         terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v, terms)
-        o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
+        module = _native_module(q, mask, None, terms, v)
+        with recording(on=module is not None) as record:
+            o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
+        ctx.native = None if module is None else _keep_forward(module, (qkv,), (True,), (o, lse), record, causal,
+                                                               scale, ctx.plan_key)
         ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks, dropout_seed)
         ctx.causal, ctx.scale, ctx.mask, ctx.softcap, ctx.dropout_p = causal, scale, mask, softcap, dropout_p
         ctx.mark_non_differentiable(lse)
@@ -251,8 +314,11 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         qkv, o, lse, alibi_slopes, sinks, seed = ctx.saved_tensors
-        dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key,
-                                        terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed))
+        with recording(on=ctx.native is not None) as record:
+            dqkv, dsinks = _packed_backward(do, qkv, o, lse, ctx.causal, ctx.scale, ctx.mask, ctx.plan_key,
+                                            terms_of(ctx.softcap, alibi_slopes, sinks, ctx.dropout_p, seed))
+        if ctx.native is not None:
+            _keep_backward(ctx.native, (do, qkv, o, lse), (False, True, False, False), (dqkv,), record)
         return dqkv, None, None, None, None, None, dsinks, None, None
 
 
@@ -314,18 +380,23 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
         check_triton_support(v)  # its head dim too
     mask = kernel_mask_args(mask)
     seed = draw_seed(q.device) if dropout_p else None
+    terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, seed)
     if torch.compiler.is_compiling():  # the operators (module docstring)
-        terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, seed)
         if qkv is not None:
             out, lse = flash_attn_fwd_qkvpacked(qkv, causal, scale, *_op_args(mask, None, terms))
         else:
             out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, None, terms))
+        return (out, lse) if return_lse else out
+    # §9 "Launches without Python": a call of a key whose plan the extension keeps runs there; None: not kept yet
+    module = _native_module(q, mask, None, terms, v)
+    found = None if module is None else (module.forward_packed(qkv, causal, scale) if qkv is not None
+                                         else module.forward(q, k, v, causal, scale))
+    if found is not None:
+        out, lse = found
     elif qkv is not None:
-        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask, softcap, alibi_slopes, sinks,
-                                                      dropout_p, seed)
+        out, lse = PackedFlashAttentionFunction.apply(qkv, causal, scale, mask, *terms)
     else:
-        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, None, softcap, alibi_slopes, sinks,
-                                                dropout_p, seed)
+        out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale, mask, None, *terms)
     return (out, lse) if return_lse else out
 
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import native
 from .hopper import backward as hopper_backward
 from .hopper import forward as hopper_forward
 from .hopper.shapes import FORWARD_TILES, document_tiles, term_tiles
@@ -166,8 +167,9 @@ _plans: dict[tuple, Callable] = {}
 
 def forget_plans() -> None:
     """Drop every launch plan, so the next call of each key takes the whole path again (after a change to a setting
-    the plans bind, such as a tile list)."""
+    the plans bind, such as a tile list), and the native extension's passes of them (native.py)."""
     _plans.clear()
+    native.forget()
 
 
 def _plan_key(kind: str, causal: bool, mask: MaskArgs, varlen: Varlen | None, *tensors: torch.Tensor,

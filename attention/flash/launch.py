@@ -18,7 +18,9 @@ next calls specialise as this one did (dispatch.py's launch plans: same shapes, 
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key, and `planned`
 turns the first call's arguments into a plan whose per-call work is filling the inputs' places.
 """
+import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -69,6 +71,7 @@ def launch_key(fn, device: int, grid: tuple, args: tuple, constants: dict) -> tu
 def launch(fn, grid: tuple, args: tuple, **constants) -> Launched:
     """fn[grid](*args, **constants): the kernel's positional arguments, then its constexprs and the launch options
     (num_warps, num_stages, maxnreg) by name. -> Launched: the compiled kernel and the launch to repeat."""
+    _not_a_plan()
     if INTERPRET:
         return Launched(fn[grid](*args, **constants), lambda *args: fn[grid](*args, **constants))
     key = launch_key(fn, torch.cuda.current_device(), grid, args, constants)
@@ -121,13 +124,46 @@ def rebased(desc, t: torch.Tensor | None):
     return aimed
 
 
+class Recording:
+    """The launches one run of a launch plan makes, in order: (BoundLaunch, its arguments) pairs (native.py keeps them
+    as a pass). planned: False where the run took the whole path (a launch through `launch`: compiling, tuning), whose
+    launches a later call does not repeat."""
+
+    def __init__(self):
+        self.launches: list[tuple["BoundLaunch", tuple]] = []
+        self.planned = True
+
+
+_recorder = threading.local()  # .current: the Recording of this thread's run, if one is being recorded
+
+
+@contextmanager
+def recording(on: bool = True):
+    """Record the launches made on this thread inside the block: -> the Recording (None, recording nothing, where
+    not on)."""
+    if not on:
+        yield None
+        return
+    record = _recorder.current = Recording()
+    try:
+        yield record
+    finally:
+        _recorder.current = None
+
+
+def _not_a_plan() -> None:
+    record = getattr(_recorder, "current", None)
+    if record is not None:
+        record.planned = False
+
+
 class BoundLaunch:
     """One compiled kernel on one grid (CompiledKernel[grid]), launched again on new arguments that specialise as the
     first call's did. A descriptor's place may take the tensor it reads instead: the descriptor is re-aimed at it
     (its layout, block, shape and strides are the first call's there), so a plan keeps no tensor of its first call."""
 
     def __init__(self, compiled, grid: tuple, first_args: tuple, constexprs: tuple):
-        self.constexprs = constexprs
+        self.compiled, self.grid, self.constexprs = compiled, grid, constexprs
         self.templates = {i: rebased(arg, None) for i, arg in enumerate(first_args) if is_descriptor(arg)}
         self.runner = compiled[grid]
 
@@ -137,4 +173,7 @@ class BoundLaunch:
             for i, template in self.templates.items():
                 if isinstance(args[i], torch.Tensor):
                     args[i] = rebased(template, args[i])
+        record = getattr(_recorder, "current", None)
+        if record is not None:
+            record.launches.append((self, tuple(args)))
         self.runner(*args, *self.constexprs)
