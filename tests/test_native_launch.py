@@ -59,9 +59,9 @@ def test_a_launch_is_laid_out_as_tritons_launcher_passes_it(tmp_path):
 def test_the_interpreter_keeps_the_python_path():
     if not native.INTERPRET:
         pytest.skip("runs under TRITON_INTERPRET=1 (the CPU tests)")
-    assert native.module() is None and native.wait() is None  # nothing built, no thread started
+    assert native.load() is None and native.wait() is None  # nothing built, no thread started
     with native.python_path():
-        assert native.module() is None
+        assert native.load() is None
 
 
 @pytest.fixture(scope="module")

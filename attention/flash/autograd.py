@@ -206,19 +206,19 @@ def _packed_backward(do, qkv, o, lse, causal: bool, scale: float, mask: dispatch
 _native_calls: dict[int, tuple] = {}
 
 
-def _native_module(q, mask: dispatch.MaskArgs, varlen, terms: Terms, v):
-    """The native extension where this call's plan may be kept there (a dense CUDA call without terms, §9 "Launches
-    without Python"), else None."""
-    if mask is not dispatch.DENSE or varlen is not None or not q.is_cuda or not plain_call(terms, q, v):
-        return None
-    return native.module()
+def _native_eligible(q, mask: dispatch.MaskArgs, varlen, terms: Terms, v) -> bool:
+    """Whether the native extension may keep this call's plan (§9 "Launches without Python"): a dense CUDA call
+    without terms, the native path on."""
+    return (mask is dispatch.DENSE and varlen is None and q.is_cuda and plain_call(terms, q, v)
+            and not native.python_path_only())
 
 
-def _keep_forward(module, given: tuple, inside: tuple, outputs: tuple, record, causal: bool, scale: float,
+def _keep_forward(given: tuple, inside: tuple, outputs: tuple, record, causal: bool, scale: float,
                   plan_key) -> int | None:
-    """Keep a plan's recorded forward in the native extension: -> its id there, or None (not a plan run, or a launch
-    C++ cannot make)."""
-    forward_pass = native.make_pass(record.launches, given, inside, outputs) if record.planned else None
+    """Keep a plan's recorded forward in the native extension: -> its id there, or None (not a plan's run, a launch
+    C++ cannot make, or the extension not built yet: a plan's run, a call repeated, starts its build)."""
+    module = native.load() if record.planned else None
+    forward_pass = None if module is None else native.make_pass(record.launches, given, inside, outputs)
     if forward_pass is None:
         return None
     plan = module.add_plan(list(given), causal, scale, forward_pass)
@@ -228,7 +228,7 @@ def _keep_forward(module, given: tuple, inside: tuple, outputs: tuple, record, c
 
 def _keep_backward(plan: int | None, given: tuple, inside: tuple, outputs: tuple, record) -> None:
     """Keep a plan's recorded backward for dO's layout (given[0]) beside its forward."""
-    module = native.module()
+    module = native.loaded()
     backward_pass = native.make_pass(record.launches, given, inside, outputs) if record.planned else None
     if plan is not None and module is not None and backward_pass is not None:
         module.add_backward(plan, given[0], backward_pass)
@@ -264,11 +264,11 @@ class FlashAttentionFunction(torch.autograd.Function):
                 alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_seed=None):
         terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, varlen, q, k, v, terms)
-        module = _native_module(q, mask, varlen, terms, v)
-        with recording(on=module is not None) as record:
+        eligible = _native_eligible(q, mask, varlen, terms, v)
+        with recording(on=eligible) as record:
             o, lse = dispatch.forward(q, k, v, causal, scale, mask, varlen, ctx.plan_key, terms)
-        ctx.native = None if module is None else _keep_forward(module, (q, k, v), (False,) * 3, (o, lse), record,
-                                                               causal, scale, ctx.plan_key)
+        ctx.native = _keep_forward((q, k, v), (False,) * 3, (o, lse), record, causal, scale,
+                                   ctx.plan_key) if eligible else None
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, dropout_seed)
         ctx.causal, ctx.scale, ctx.mask, ctx.varlen, ctx.softcap = causal, scale, mask, varlen, softcap
         ctx.dropout_p = dropout_p
@@ -300,11 +300,11 @@ class PackedFlashAttentionFunction(torch.autograd.Function):
         q, k, v = unpack_qkv(qkv)
         terms = terms_of(softcap, alibi_slopes, sinks, dropout_p, dropout_seed)
         ctx.plan_key = dispatch.forward_key(causal, mask, None, q, k, v, terms)
-        module = _native_module(q, mask, None, terms, v)
-        with recording(on=module is not None) as record:
+        eligible = _native_eligible(q, mask, None, terms, v)
+        with recording(on=eligible) as record:
             o, lse = dispatch.forward(q, k, v, causal, scale, mask, None, ctx.plan_key, terms)
-        ctx.native = None if module is None else _keep_forward(module, (qkv,), (True,), (o, lse), record, causal,
-                                                               scale, ctx.plan_key)
+        ctx.native = _keep_forward((qkv,), (True,), (o, lse), record, causal, scale,
+                                   ctx.plan_key) if eligible else None
         ctx.save_for_backward(qkv, o, lse, alibi_slopes, sinks, dropout_seed)
         ctx.causal, ctx.scale, ctx.mask, ctx.softcap, ctx.dropout_p = causal, scale, mask, softcap, dropout_p
         ctx.mark_non_differentiable(lse)
@@ -388,7 +388,7 @@ def triton_attention(q, k, v, causal: bool, scale: float, return_lse: bool = Fal
             out, lse = flash_attn_fwd(q, k, v, causal, scale, *_op_args(mask, None, terms))
         return (out, lse) if return_lse else out
     # §9 "Launches without Python": a call of a key whose plan the extension keeps runs there; None: not kept yet
-    module = _native_module(q, mask, None, terms, v)
+    module = native.loaded() if _native_eligible(q, mask, None, terms, v) else None
     found = None if module is None else (module.forward_packed(qkv, causal, scale) if qkv is not None
                                          else module.forward(q, k, v, causal, scale))
     if found is not None:

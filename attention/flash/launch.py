@@ -16,7 +16,8 @@ no compiled kernel to keep: every call goes through kernel[grid].
 Working out the key still costs host time (~45 arguments, descriptors among them). A caller that already knows its
 next calls specialise as this one did (dispatch.py's launch plans: same shapes, strides, dtype and alignment) skips
 it: launch returns `again`, which launches the same compiled kernel on new arguments without a key, and `planned`
-turns the first call's arguments into a plan whose per-call work is filling the inputs' places.
+turns the first call's arguments into a plan whose per-call work is filling the inputs' places. `recording` lists the
+launches a plan's run makes, which native.py keeps as a pass that C++ launches without Python (§9).
 """
 import threading
 from collections.abc import Callable

@@ -6,22 +6,31 @@ A dense call of a kept plan (dispatch.py) needs none of it: only its tensors' ad
 made the plan. So native_launch.cpp keeps each plan's launches as *passes* and runs a call of its key as one C++
 autograd node: allocate the outputs and buffers, write the addresses into each launch's parameter block, launch.
 
-    module = native.module()          # the built extension, or None (still building, off, or no compiler)
-    with recording() as launches:     # launch.py: the BoundLaunches a plan's run makes
+    module = native.load()            # the built extension, or None (building, off, or no compiler)
+    with launch.recording() as record:  # the BoundLaunches a plan's run makes
         ...
-    native.forward_pass(...), native.backward_pass(...) -> the pass tuples module.add_plan / add_backward take
+    module.add_plan(tensors, causal, scale, native.make_pass(record.launches, ...))   # flash/autograd.py
 
 Where its parameter blocks come from: a BoundLaunch holds the CompiledKernel, whose signature lists every parameter's
 type in the order Triton's launcher passes them (constexprs left out, each host tensor descriptor expanded into its
 CUtensorMap, then its shape as i32s and strides as i64s, two scratch pointers last). This module lays the first
 run's values out in that order; the C++ side fills in the addresses.
 
-It builds on the first eager call of a process (torch.utils.cpp_extension, ~30-60 s with a C++ compiler, then cached
-on disk), in a background thread: calls take the Python path until it is ready. NANOFLASH_NATIVE=0 keeps every call
-on the Python path; a build that fails says so in one line, once, and the Python path serves.
+It builds when a process first repeats an eager call (torch.utils.cpp_extension with the C++ compiler and ninja, about
+a minute, in a child process at low priority; then cached under the tuning store's folder, $NANOFLASH_CACHE_DIR or
+~/.cache/nanoflash, per source, torch, CUDA, Python and Triton), in the background: calls take the Python path until it
+is ready. NANOFLASH_NATIVE=0 keeps every call on the Python path; a build that fails says so in one line, once, and
+the Python path serves.
 """
+import atexit
+import hashlib
+import importlib.util
 import os
+import signal
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import warnings
 from contextlib import contextmanager
@@ -32,6 +41,7 @@ import triton
 
 from .device import INTERPRET
 from .launch import BoundLaunch, is_descriptor
+from .tuning_store import default_cache_dir
 
 SOURCE = Path(__file__).with_name("native_launch.cpp")
 MODE = os.environ.get("NANOFLASH_NATIVE", "1")  # "0": every eager call takes the Python path
@@ -43,31 +53,52 @@ _SCALAR_FORMATS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "q", "u1
 _TMA_DTYPE_DEVICE_TO_HOST = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
 _TMA_TF32 = 11
 
-_state = {"module": None, "thread": None, "off": MODE == "0" or INTERPRET}
+_state = {"module": None, "thread": None, "child": None, "stopping": False, "off": MODE == "0" or INTERPRET}
 _lock = threading.Lock()
+# The builder: a child process at low priority (the process it builds for compiles its own kernels first), in a
+# folder of its own that is renamed into the cache once built, and stopped when its parent exits: a build cut short
+# leaves neither a half-written module nor a lock that would hold up the next process
+_BUILD = """
+import os, sys
+os.nice(10)
+from torch.utils.cpp_extension import load
+source, build_dir, include = sys.argv[1:]
+load(name="nanoflash_native_launch", sources=[source], extra_include_paths=[include], extra_cflags=["-O2"],
+     with_cuda=True, build_directory=build_dir, verbose=False)
+"""
 
 
-def module():
-    """The built extension, or None: off (NANOFLASH_NATIVE=0, the interpreter, no CUDA, python_path), still building
-    in the background (started by the first call), or failed to build (said once)."""
+def python_path_only() -> bool:
+    """NANOFLASH_NATIVE=0, the interpreter, or inside python_path(): every call takes the Python path."""
+    return _state["off"]
+
+
+def loaded():
+    """The built extension, or None: off (NANOFLASH_NATIVE=0, the interpreter, python_path), not built yet, or
+    failed to build (said once)."""
+    return None if _state["off"] else _state["module"]
+
+
+def load():
+    """loaded(), and the build started in the background if it has not been: a process's first repeated eager call
+    (a plan's run, autograd.py) asks for it, so that a process that makes none never builds it."""
     if _state["off"]:
         return None
-    built = _state["module"]
-    if built is None and _state["thread"] is None:
+    if _state["thread"] is None:
         with _lock:
             if _state["thread"] is None and torch.cuda.is_available():
                 _state["thread"] = threading.Thread(target=_build, name="nanoflash-native-build", daemon=True)
                 _state["thread"].start()
-    return built
+    return _state["module"]
 
 
 def wait() -> object:
     """Start the build if needed and wait for it: -> the extension or None (tests, benchmarks)."""
-    module()
+    load()
     thread = _state["thread"]
     if thread is not None:
         thread.join()
-    return _state["module"]
+    return loaded()
 
 
 @contextmanager
@@ -80,19 +111,51 @@ def python_path():
         _state["off"] = off
 
 
+def _built_module() -> Path:
+    """Where this source's build lives for this torch, CUDA, Python and Triton (whose cuda.h it includes)."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.cuda).encode(),
+                                      sys.version.encode(), triton.__version__.encode()])).hexdigest()[:16]
+    return default_cache_dir() / "native" / key / "nanoflash_native_launch.so"
+
+
 def _build() -> None:
     try:
-        from torch.utils.cpp_extension import load  # here: only a process with eager GPU calls needs it
-
-        nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "include"  # cuda.h, as Triton's launcher
-        built = load(name="nanoflash_native_launch", sources=[str(SOURCE)], extra_include_paths=[str(nvidia)],
-                     extra_cflags=["-O2"], with_cuda=True, verbose=False)
+        target = _built_module()
+        if not target.exists():
+            _compile(target)
+        spec = importlib.util.spec_from_file_location("nanoflash_native_launch", target)
+        built = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(built)
         built.set_backward_miss(_backward_miss)
         _state["module"] = built
     except Exception as error:  # noqa: BLE001 - any build failure leaves the Python path, which needs none of it
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        if _state["stopping"]:  # the process is exiting and stopped the build: nothing to say
+            return
+        lines = str(error).strip().splitlines() or [type(error).__name__]
         warnings.warn(f"nanoflash: eager calls keep the Python launch path (more host time per call): the native "
-                      f"launcher did not build ({reason[:200]}); NANOFLASH_NATIVE=0 skips the attempt", stacklevel=1)
+                      f"launcher did not build ({lines[-1][:200]}); NANOFLASH_NATIVE=0 skips the attempt", stacklevel=1)
+
+
+def _compile(target: Path) -> None:
+    """Build the extension into target (torch.utils.cpp_extension: a C++ compiler and ninja, ~1 minute)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"  # cuda.h, as Triton's launcher takes it
+    with tempfile.TemporaryDirectory(dir=target.parent) as build_dir:
+        child = subprocess.Popen([sys.executable, "-c", _BUILD, str(SOURCE), build_dir, str(include)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _state["child"] = child
+        output, _ = child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError((output.strip().splitlines() or ["the build failed"])[-1])
+        os.replace(Path(build_dir) / target.name, target)  # one folder: the rename is atomic
+
+
+@atexit.register
+def _stop_build() -> None:
+    _state["stopping"] = True
+    child = _state["child"]
+    if child is not None and child.poll() is None:
+        os.killpg(child.pid, signal.SIGTERM)  # the builder and its compilers
 
 
 # the Python side of a backward that has no pass yet: autograd.py sets it (native_backward_miss)
