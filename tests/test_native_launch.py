@@ -2,6 +2,7 @@
 Python"): from a key's third eager call on, its forward and backward run from C++, and give what the Python path
 gives: the same forward bit for bit (the same kernels on the same inputs), gradients within the float64 criterion."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,37 @@ def test_a_launch_is_laid_out_as_tritons_launcher_passes_it(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+# A stand-in for native_launch.cpp: a module of the same name whose one function records what it was given
+STAND_IN = r"""
+#include <Python.h>
+static PyObject* given = NULL;
+static PyObject* set_backward_miss(PyObject* self, PyObject* fn) { Py_XINCREF(fn); given = fn; Py_RETURN_NONE; }
+static PyObject* backward_miss(PyObject* self, PyObject* unused) { return Py_NewRef(given ? given : Py_None); }
+static PyMethodDef methods[] = {{"set_backward_miss", set_backward_miss, METH_O, ""},
+                                {"backward_miss", backward_miss, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "nanoflash_native_launch", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_nanoflash_native_launch(void) { return PyModule_Create(&module); }
+"""
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs a C++ compiler")
+def test_the_build_lands_in_the_cache_and_later_processes_load_it(tmp_path, monkeypatch):
+    source = tmp_path / "native_launch.cpp"
+    source.write_text(STAND_IN)
+    monkeypatch.setattr(native, "SOURCE", source)
+    monkeypatch.setattr(native, "_BUILD", native._BUILD.replace("with_cuda=True", "with_cuda=False"))  # no CUDA here
+    monkeypatch.setenv("NANOFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_state", {**native._state, "module": None, "child": None})
+    native._build()
+    built, first_child = native._state["module"], native._state["child"]
+    assert built is not None and built.backward_miss() is native._backward_miss  # told where a miss goes
+    target = native._built_module()
+    assert target.exists() and target.parent.parent == tmp_path / "cache" / "native"
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # the build's own folder is gone
+    native._build()  # as a later process: from the cache, no build
+    assert native._state["child"] is first_child and native._state["module"] is not None
 
 
 def test_the_interpreter_keeps_the_python_path():
