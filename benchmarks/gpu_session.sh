@@ -146,8 +146,8 @@ triton.__version__)" | log ;;
     timeout "$SECONDS_LEFT" python3 -m benchmarks.tune 2>&1 | tail -3 | log
     [ -n "${OUT:-}" ] && mkdir -p "$OUT/tuned" && cp attention/flash/tuned/*.json "$OUT/tuned/" ;;
   startup)  # train.py to its 5th step, each backend with caches of its own: fresh (Triton's, Inductor's, our tuner's
-            # and the native launcher's build empty; our shipped choices in place), then again with them warm; each log
-            # line behind its second
+            # and the native launcher's build, both under NANOFLASH_CACHE_DIR, empty; our shipped choices in place), then
+            # again with them warm; each log line behind its second
     shakespeare 2>&1 | log
     mkdir -p "$RESULTS/startup"
     rm -f "$RESULTS/startup/results.txt"
@@ -156,7 +156,7 @@ triton.__version__)" | log ;;
       for run in fresh second; do
         start=$(date +%s.%N)
         TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor NANOFLASH_CACHE_DIR=$caches/nanoflash \
-          TORCH_EXTENSIONS_DIR=$caches/extensions timeout "$SECONDS_LEFT" python3 train.py configs/shakespeare.py --attn=$backend --max_steps=5 \
+          timeout "$SECONDS_LEFT" python3 train.py configs/shakespeare.py --attn=$backend --max_steps=5 \
           --warmup_steps=2 --wandb=false --out_dir="$caches/out" 2>&1 | elapsed "$start" \
           > "$RESULTS/startup/$backend-$run.log"
         status=${PIPESTATUS[0]}

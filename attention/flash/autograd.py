@@ -226,11 +226,12 @@ def _keep_forward(given: tuple, inside: tuple, outputs: tuple, record, causal: b
     return plan
 
 
-def _keep_backward(plan: int | None, given: tuple, inside: tuple, outputs: tuple, record) -> None:
+def _keep_backward(plan: int, given: tuple, inside: tuple, outputs: tuple, record) -> None:
     """Keep a plan's recorded backward for dO's layout (given[0]) beside its forward."""
     module = native.loaded()
-    backward_pass = native.make_pass(record.launches, given, inside, outputs) if record.planned else None
-    if plan is not None and module is not None and backward_pass is not None:
+    backward_pass = None if module is None or not record.planned else native.make_pass(record.launches, given,
+                                                                                         inside, outputs)
+    if backward_pass is not None:
         module.add_backward(plan, given[0], backward_pass)
 
 

@@ -163,10 +163,9 @@ _backward_miss = None
 
 
 def set_backward_miss(fn) -> None:
+    """autograd.py's, at its import (before any build): the built extension is handed it as it loads."""
     global _backward_miss
     _backward_miss = fn
-    if _state["module"] is not None:
-        _state["module"].set_backward_miss(fn)
 
 
 def forget() -> None:
