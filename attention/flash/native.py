@@ -126,7 +126,7 @@ def _build() -> None:
         spec = importlib.util.spec_from_file_location("nanoflash_native_launch", target)
         built = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(built)
-        built.set_backward_miss(_backward_miss)
+        built.set_backward_miss(_backward_miss_now)
         _state["module"] = built
     except Exception as error:  # noqa: BLE001 - any build failure leaves the Python path, which needs none of it
         if _state["stopping"]:  # the process is exiting and stopped the build: nothing to say
@@ -158,14 +158,19 @@ def _stop_build() -> None:
         os.killpg(child.pid, signal.SIGTERM)  # the builder and its compilers
 
 
-# the Python side of a backward that has no pass yet: autograd.py sets it (native_backward_miss)
+# the Python side of a backward that has no pass yet: autograd.py sets it (native_backward_miss) at its import
 _backward_miss = None
 
 
 def set_backward_miss(fn) -> None:
-    """autograd.py's, at its import (before any build): the built extension is handed it as it loads."""
     global _backward_miss
     _backward_miss = fn
+
+
+def _backward_miss_now(*args):
+    """What the extension calls on a miss: the callback set now, so a build that loads before autograd.py's import
+    (wait() from a benchmark, a test's fixture) still reaches it."""
+    return _backward_miss(*args)
 
 
 def forget() -> None:
