@@ -125,7 +125,8 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = ()):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward
     passes; tile: (STAGES, DKDV_STAGED); documents and terms as `build` takes them (sinks change nothing here). With spans alone (MoBA's, §11) the problem is a
-    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there."""
+    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there. KV_SPLIT
+    is 1 (as a launch specializes it) unless the grid of grouped heads is small (§13)."""
     stages, staged = tile
     kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{shapes.QUERY_BLOCK.value}],{gluon_backward.ROW_LAYOUT.value}>"
@@ -148,7 +149,7 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
     term_signature, term_constants = _term_args(terms, backward=True)
     return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature, **term_signature, **KEY_SIZES},
                     dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim), **gathered_constants,
-                         **doc_constants, **term_constants), shapes.BACKWARD_LAUNCH_REGS)
+                         **doc_constants, **term_constants, KV_SPLIT=1), shapes.BACKWARD_LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:

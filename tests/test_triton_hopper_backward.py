@@ -112,6 +112,25 @@ def test_pre_and_post_pass():
     torch.testing.assert_close(dq, (dq_acc * scale).half().reshape(B, H, Tq, D))
 
 
+@needs_gluon
+def test_split_grouped_heads_sum_their_key_gradients():
+    # a small grid of grouped heads (§13): the programs that share a kv head's key tiles write partial dK, dV, summed
+    # in float32 into dk's and dv's dtype and strides
+    torch.manual_seed(0)
+    B, Hkv, split, Tk, D = 2, 3, 2, 100, 64
+    parts = [torch.randn(B, Hkv * split, Tk, D, dtype=torch.float16) for _ in range(2)]
+    dk, dv = (torch.full((B, Tk, Hkv, D), float("nan"), dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    hopper_backward.sum_key_parts(*parts, dk, dv, split)
+    for part, grad in zip(parts, (dk, dv)):
+        torch.testing.assert_close(grad, part.float().view(B, Hkv, split, Tk, D).sum(2).half())
+    # a grid that fills the SMs stays whole; a small one splits by the smallest divisor of the group that fills them
+    split_of = hopper_backward.key_head_split
+    assert split_of(programs=4 * 132, group=4, sms=132) == 1
+    assert split_of(programs=256, group=4, sms=132) == 4  # 2 x 256 programs would still leave SMs short
+    assert split_of(programs=200, group=6, sms=132) == 3
+    assert split_of(programs=10, group=4, sms=132) == 4 and split_of(programs=10, group=1, sms=132) == 1
+
+
 def test_hopper_mode_1_takes_the_first_tile_and_determinism_keeps_the_tl_kernels(monkeypatch):
     # NANOFLASH_HOPPER=1 runs the Hopper backward wherever it can, with its first tile (no timing); its dQ adds land
     # in any order, so where determinism is asked for it must not run
@@ -166,6 +185,18 @@ def check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
 @pytest.mark.parametrize("dtype, causal, B, Hq, Hkv, Tq, Tk", CASES)
 def test_matches_fp64_and_writes_every_element(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile):
     check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("head_dim, tile", [(64, shapes.BACKWARD_TILES[64][-1]), (128, shapes.BACKWARD_TILES[128][0])])
+def test_grouped_heads_whole_or_split_in_two(monkeypatch, split, head_dim, tile):
+    # CASES' small grids split each group's query heads between as many programs as there are heads (§13 "A small
+    # grid of grouped heads"); here a group stays with one program (a grid that fills the GPU), or goes to two
+    monkeypatch.setattr(hopper_backward, "key_head_split", lambda programs, group, sms: split)
+    for dtype, causal, B, Hq, Hkv, Tq, Tk in CASES:
+        if Hq // Hkv % split == 0 and Hq > Hkv:
+            check_against_fp64(dtype, causal, B, Hq, Hkv, Tq, Tk, head_dim, tile)
 
 
 @pytest.mark.gpu

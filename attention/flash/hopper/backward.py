@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import HAS_GLUON
+from ..device import HAS_GLUON, sm_count
 from ..launch import Launched, launch, planned
 from ..tl_tiles import LOG2E
 from .forward import forward_supports, key_problem, term_values, tma_can_read, with_term_values
 from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
-                     HopperBackwardTile)
+                     SPLIT_PROGRAMS_PER_SM, HopperBackwardTile)
 
 if HAS_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # the lse and Delta rows
@@ -69,6 +69,29 @@ def attn_bwd_finish_dq(DQ_ACC, DQ, stride_dqb, stride_dqh, stride_dqt, H, Tq, Tq
              (acc * scale).to(DQ.dtype.element_ty), mask=(rows < Tq)[:, None])
 
 
+@triton.jit
+def attn_bwd_sum_key_parts(DK_PART, DV_PART, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
+                           stride_dvt, H_kv, Tk, SPLIT, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """dK and dV of kv head h: the sums, in float32, of its SPLIT partial gradients, heads h * SPLIT ... of the
+    contiguous (B, H_kv * SPLIT, Tk, D) parts (§13 "A small grid of grouped heads"), in dk's and dv's dtype and
+    strides."""
+    bh = tl.program_id(1)
+    b, h = bh // H_kv, bh % H_kv
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
+    cols = tl.arange(0, HEAD_DIM)  # (D,)
+    real = (rows < Tk)[:, None]
+    first = (bh.to(tl.int64) * SPLIT * Tk + rows)[:, None] * HEAD_DIM + cols[None, :]  # (R, D) in the first part
+    dk = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    dv = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for j in range(SPLIT):
+        dk += tl.load(DK_PART + first + j * Tk * HEAD_DIM, mask=real).to(tl.float32)
+        dv += tl.load(DV_PART + first + j * Tk * HEAD_DIM, mask=real).to(tl.float32)
+    tl.store(DK + b.to(tl.int64) * stride_dkb + h * stride_dkh + rows[:, None] * stride_dkt + cols[None, :],
+             dk.to(DK.dtype.element_ty), mask=real)
+    tl.store(DV + b.to(tl.int64) * stride_dvb + h * stride_dvh + rows[:, None] * stride_dvt + cols[None, :],
+             dv.to(DV.dtype.element_ty), mask=real)
+
+
 def backward_supports(q, k, v, o, do, grads, dense: bool) -> bool:
     """Whether this kernel can run the call: the Hopper forward's rules (forward_supports) for q, k, v and dO, a head
     dim in BACKWARD_TILES, and unit column strides for o and the gradients (read and written by pointers)."""
@@ -90,6 +113,23 @@ def row_values_first(head_dim: int) -> bool:
     and where subtracting them from the results is faster (docs/perf_notes.md, 'the row values in the backward's
     accumulators')."""
     return head_dim == 128
+
+
+def key_head_split(programs: int, group: int, sms: int) -> int:
+    """How many programs share each key tile of a kv head, each taking group / split of its query heads (§13 "A small
+    grid of grouped heads"): 1 where the grid of one program per key tile already gives every SM
+    SPLIT_PROGRAMS_PER_SM, else the smallest divisor of the group that does, at most the whole group."""
+    return next((split for split in range(1, group + 1)
+                 if group % split == 0 and programs * split >= SPLIT_PROGRAMS_PER_SM * sms), group)
+
+
+def sum_key_parts(dk_part, dv_part, dk, dv, split: int) -> tuple[Launched, tuple]:
+    """dk, dv (B, Hkv, Tk, D), any strides, = the sums of their split partial gradients (attn_bwd_sum_key_parts).
+    -> its Launched and arguments."""
+    B, Hkv, Tk, D = dk.shape
+    args = (dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)
+    return launch(attn_bwd_sum_key_parts, (triton.cdiv(Tk, KEYS.value), B * Hkv), args, HEAD_DIM=D,
+                  ROWS=KEYS.value), args
 
 
 def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float) -> tuple[Launched, tuple]:
@@ -124,14 +164,20 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     # the query rows the main kernel walks: q's, or the gathered ones, of one batch entry and head as k and v then are
     B_rows, H_rows, Tq = (B, Hq, T) if row_src is None else (1, 1, row_src.shape[0])
     Tq_pad = T_pad if row_src is None else Tq
-    device = q.device  # (again must not keep q alive)
+    device, grad_dtype = q.device, dk.dtype  # (again must not keep q or dk alive)
+    group, programs = H_rows // Hkv, triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv
+    split = 1 if row_src is not None else key_head_split(programs, group, sm_count(device))
 
     def buffers(with_dq=True):
-        """lse, Delta (B*Hq*T_pad,) and the float32 dQ (B*Hq*T_pad, D) (or None): the pre-pass writes all three"""
+        """lse, Delta (B*Hq*T_pad,) and the float32 dQ (B*Hq*T_pad, D) (or None), which the pre-pass writes; and
+        with a split the partial dK, dV (B, Hkv * split, Tk, D) the main kernel writes (or None, None)"""
         lse_row = torch.empty(B * Hq * T_pad, dtype=torch.float32, device=device)
         dq_acc = torch.empty(B * Hq * T_pad, D, dtype=torch.float32, device=device) if with_dq else None
-        return lse_row, torch.empty_like(lse_row), dq_acc
-    lse_row, delta_row, dq_acc = buffers(with_dq=row_src is None)
+        parts = [torch.empty(B, Hkv * split, Tk, D, dtype=grad_dtype, device=device) if split > 1 else None
+                 for _ in "kv"]
+        return lse_row, torch.empty_like(lse_row), dq_acc, *parts
+    lse_row, delta_row, dq_acc, dk_part, dv_part = buffers(with_dq=row_src is None)
+    dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)  # what the main kernel writes
     rows_first = row_values_first(D)
 
     def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
@@ -156,37 +202,45 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         rows_args = (q, do, lse_row, delta_row, given_dq_acc)
         sources = (row_src, *q.stride()[:3], *do.stride()[:3], Hq, T)
     # programs go head group by head group, so that a group's float32 dQ rows (and its Q, dO) stay in L2
-    heads_per_group = max(1, DQ_GROUP_BYTES // ((H_rows // Hkv) * Tq_pad * D * 4))
+    heads_per_group = max(1, DQ_GROUP_BYTES // (group // split * Tq_pad * D * 4))
     diag = Tk - Tq if causal else Tk  # §6: row i sees keys <= i + diag (and < Tk)
-    grad_strides = (*dk.stride()[:3], *dv.stride()[:3])
+    grad_strides = (*dk_out.stride()[:3], *dv_out.stride()[:3])
     # DK, DV: the gradients, or with a staged tile descriptors of (1, 1, 64, D) blocks swizzled as the K and V rows
     # they are staged in
     stages, staged = tile
-    dkdv = [descriptor(t, KEYS.value, swizzle=D) for t in (dk, dv)] if staged else [dk, dv]
-    sizes_main = (Hkv, H_rows // Hkv, B_rows * Hkv, heads_per_group, Tq, Tq_pad, Tk, diag)
-    main_grid = (triton.cdiv(Tk, KEY_BLOCK.value) * B_rows * Hkv,)
+    dkdv = [descriptor(t, KEYS.value, swizzle=D) for t in (dk_out, dv_out)] if staged else [dk_out, dv_out]
+    # split kv heads: Hkv * split per batch entry, each with group / split query heads
+    sizes_main = (Hkv * split, group // split, B_rows * Hkv * split, heads_per_group, Tq, Tq_pad, Tk, diag)
+    main_grid = (programs * split,)
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
-                 *document_args(documents), *term_args, *key_sizes)
+                 *document_args(documents), *term_args, *key_sizes, split)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
                         maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
     first_finish, finish_args = finish_dq(dq_acc, dq, T_pad, scale)
+    launches = [(first_prepare, prepare_args), (first_main, main_args), (first_finish, finish_args)]
+    first_sum = None
+    if split > 1:
+        first_sum, sum_args = sum_key_parts(dk_part, dv_part, dk, dv, split)
+        launches.append((first_sum, sum_args))
     values = term_values(term_args)
     # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
     # launch.BoundLaunch), so again keeps no tensor of this call
-    first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, unit, *values,
+    first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, dk_part, dv_part, unit, *values,
                   *(documents or ()))
-    plans = [planned(first.again, args, first_call) for first, args in ((first_prepare, prepare_args),
-                                                                        (first_main, main_args),
-                                                                        (first_finish, finish_args))]
+    plans = [planned(first.again, args, first_call) for first, args in launches]
     if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
-            lse_row, delta_row, dq_acc = buffers()
+            lse_row, delta_row, dq_acc, dk_part, dv_part = buffers()
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
-            first_main.again(k, v, q, do, lse_row, delta_row, dk, dv, *grad_strides, dq_acc, *sources, *sizes_main,
-                             scale, *document_args(documents), *with_term_values(term_args, values_now), *key_sizes)
+            dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)
+            first_main.again(k, v, q, do, lse_row, delta_row, dk_out, dv_out, *grad_strides, dq_acc, *sources,
+                             *sizes_main, scale, *document_args(documents), *with_term_values(term_args, values_now),
+                             *key_sizes, split)
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
+            if first_sum is not None:
+                first_sum.again(dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)
     else:
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
             call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *values_now,

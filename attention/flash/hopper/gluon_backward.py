@@ -96,17 +96,18 @@ def _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS):
 def _load_query_tiles(k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                       kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk,
                       diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh, stride_dot,
-                      H_src, T_src, KEY_HEADS, KEY_T):
+                      H_src, T_src, KEY_HEADS, KEY_T, KV_SPLIT):
     """The producer warp: K and V of the program's keys, then Q, dO, lse and Delta of every query tile that sees
     them, for each query head of the kv head's group (§7), into the ring: by TMA from descriptors, or for a
     gathered problem (ROW_SRC, §11) by the producer's own copies from their source rows (gather_rows), its keys
-    read where they lie (key_block: KEY_HEADS, KEY_T)."""
+    read where they lie (key_block: KEY_HEADS, KEY_T). With KV_SPLIT > 1 the kv heads are split ones (§13 "A small
+    grid of grouped heads"): H_kv of them per batch entry, KV_SPLIT of which read the same head of k and v."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     bh_kv, start_n, first_m, end_m = _key_tile(n_kv_heads, heads_per_group, H_kv, diag, Tq, Tk, SPANS)
     b, h_kv = bh_kv // H_kv, bh_kv % H_kv
     mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    keys = key_block(b, h_kv, start_n, ROW_SRC, KEY_HEADS, KEY_T)
+    keys = key_block(b, h_kv // KV_SPLIT, start_n, ROW_SRC, KEY_HEADS, KEY_T)
     tma_load(k_desc, keys, kv_ready, k_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
     tma_load(v_desc, keys, kv_ready, v_smem.reshape([1, 1, KEY_BLOCK, HEAD_DIM]))
     per_head = end_m - first_m
@@ -307,7 +308,7 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
                  SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, KEY_HEADS, KEY_T,
-                 STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                 KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
@@ -316,6 +317,8 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     rows of k_desc's and v_desc's tensors as one sequence of Tk (key_block), dK and dV flat (1, 1, Tk, D).
     DQ_ACC: the float32 dQ buffer, a descriptor of (QUERY_BLOCK, dq_cols) blocks, or with ROW_SRC a pointer that each
     row adds into at its source row (add_dq_cols).
+    KV_SPLIT: how many programs share a key tile of a kv head, each with GROUP of its query heads and DK, DV its own
+    (B, H_kv, Tk, D) partial gradients, H_kv counting split heads (§13 "A small grid of grouped heads"); 1 otherwise.
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
     each None (a constant: the build is the one without it) where the call has none (_key_gradients)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
@@ -369,5 +372,5 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
         (_load_query_tiles, (k_desc, v_desc, Q, DO, LSE, DELTA, k_smem, v_smem, q_smem, do_smem, lse_smem,
                              delta_smem, kv_ready, qdo_ready, qdo_empty, H_kv, GROUP, n_kv_heads, heads_per_group,
                              Tq, Tq_pad, Tk, diag, SPANS, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob,
-                             stride_doh, stride_dot, H_src, T_src, KEY_HEADS, KEY_T)),
+                             stride_doh, stride_dot, H_src, T_src, KEY_HEADS, KEY_T, KV_SPLIT)),
     ], [4, 1 if ROW_SRC is None else GATHER_WARPS], [BACKWARD_CONSUMER_REGS, PRODUCER_REGS])

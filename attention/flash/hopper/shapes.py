@@ -88,6 +88,9 @@ QUERY_BLOCK = tl.constexpr(64)
 # (and its Q, dO loads) meet there instead of in DRAM; the exact size matters little (§13 "Where the adds meet";
 # docs/perf_notes.md, 'Head groups: where the adds meet')
 DQ_GROUP_BYTES = 8 << 20
+# a backward grid of fewer programs than this per SM splits each kv head's query heads between programs (§13 "A small
+# grid of grouped heads"): one program per key tile of a kv head leaves the SMs idle behind the longest causal tiles
+SPLIT_PROGRAMS_PER_SM = 4
 
 
 @triton.constexpr_function
