@@ -67,7 +67,7 @@ def make_step(cfg, world: World, compile_mode: str = "default", built: dict | No
         model = torch.compile(raw_model, mode=compile_mode) if cfg.compile else raw_model
         loader = open_loader(cfg, "train", world, raw_model.config.vocab_size)
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        parts = (model, raw_model.parameters(), optimizer, scaler, loader.next_batch)
+        parts = (model, list(raw_model.parameters()), optimizer, scaler, loader.next_batch)  # a list: runs share it
         if built is not None:
             built[key] = parts
     else:

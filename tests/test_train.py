@@ -293,6 +293,19 @@ def test_train_step_benchmark_times_backends_side_by_side(data_dir, tmp_path, mo
     assert written["tuning"] == []  # neither backend tunes a Triton kernel
 
 
+def test_runs_that_share_a_model_both_clip_its_gradients(data_dir):
+    # an A/A pair ("triton,triton-again:attn=triton") trains one model: the second run's step must see its parameters
+    from benchmarks import train_step
+    from training.config import parse_args
+    from training.distributed import World
+
+    settings = {k: v for k, v in TINY.items() if k != "attn"}
+    cfg = parse_args([*cli_flags(**settings, data_dir=data_dir), "--attn=naive", "--wandb=false"])
+    built = {}
+    first, second = (train_step.make_step(cfg, World(), built=built)[0] for _ in range(2))
+    assert len(built) == 1 and first().grad_norm > 0 and second().grad_norm > 0
+
+
 def test_train_step_records_the_tuners_choices():
     from benchmarks.train_step import tuner_choices
 
