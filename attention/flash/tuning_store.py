@@ -58,7 +58,9 @@ def _read(path: Path, header: dict) -> tuple[dict, str | None]:
 
 def _write(path: Path, header: dict, choices: dict) -> None:
     """Write path whole or not at all: a temp file in its folder, renamed over it, so no reader sees it torn."""
-    text = json.dumps({**header, "choices": choices}, indent=1, sort_keys=True)
+    # the header on the first line, then one choice a line: compact (the repository ships these files) and diffable
+    lines = [f"{json.dumps(key)}:{json.dumps(choice, separators=(',', ':'))}" for key, choice in sorted(choices.items())]
+    text = json.dumps(header, sort_keys=True)[:-1] + ', "choices": {\n' + ",\n".join(lines) + "\n}}\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -3,6 +3,8 @@ warp-specialized kernel (gluon_backward.py: the algorithm, its warps and barrier
 
     launched = backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile)   # three launches; launched.again repeats
 
+A small grid of grouped heads takes a fourth: the split programs' partial dK and dV summed (§13).
+
 The float32 dQ adds land in an order that differs from run to run, so dQ's last bits do too: this backward is not
 bit-deterministic (dK and dV are). dispatch.backward takes the `tl` kernels where
 torch.use_deterministic_algorithms(True) asks for determinism.
