@@ -1,6 +1,8 @@
 """The tile tuner (attention/flash/tuner.py, §9): which tiles are candidates, how they are timed, what is kept per
 key, and the backward's choice between the `tl` kernels and the Hopper one. Pure Python or interpreter-sized: the
 timing itself is faked (do_bench, or the tuner's timed)."""
+import json
+import re
 import types
 
 import pytest
@@ -187,17 +189,28 @@ def test_backward_choice_times_the_tl_pair_against_each_hopper_tile_once_per_key
     assert len(timings) == 3
 
 
+def test_stored_key_is_the_repr_without_names_and_the_shipped_files_use_it():
+    key = tuner.TuningKey("fwd", (("HEAD_DIM", 64), ("CAUSAL", True)), ("pointers",), True, torch.bfloat16, 1024, 2048)
+    expected = "TuningKey('fwd',(('HEAD_DIM',64),('CAUSAL',True)),('pointers',),True,bfloat16,1024,2048)"
+    assert tuner.stored_key(key) == expected
+    backward = tuner.BackwardKey(128, True, False, torch.float16, 512, 512, (HopperBackwardTile(2, False),))
+    assert tuner.stored_key(backward) == "BackwardKey(128,True,False,float16,512,512,((2,False),))"
+    for path in tuner.SHIPPED_CHOICES.glob("*.json"):  # a key in another form would never be found
+        keys = json.loads(path.read_text())["choices"]
+        assert keys and not [key for key in keys if re.search(r"\w=|torch\.|Tile\(|, ", key)]
+
+
 def test_a_stored_choice_the_candidates_no_longer_hold_is_timed_again(monkeypatch, store):
     monkeypatch.setattr(tuner, "INTERPRET", False)
     monkeypatch.setenv("NANOFLASH_AUTOTUNE", "1")
     monkeypatch.setattr(tuner, "best_backward", {})
     tiles = [HopperBackwardTile(2, False)]
     key = tuner.BackwardKey(64, True, False, torch.bfloat16, 1024, 1024, tuple(tiles))
-    store().put(repr(key), [9, True])  # a tile an older table had
+    store().put(tuner.stored_key(key), [9, True])  # a tile an older table had
     monkeypatch.setattr(tuner, "timed", lambda first_runs: {"tl": 0.1, tiles[0]: 0.2})
     assert tuner.backward_choice(*fake_backward_kernels([]), tiles, 64, True, False, torch.bfloat16, 1000, 1000,
                                  ()) is None
-    assert store().get(repr(key)) == "tl"  # timed, and kept for the next process
+    assert store().get(tuner.stored_key(key)) == "tl"  # timed, and kept for the next process
 
 
 def test_backward_choice_without_tuning_keeps_the_tl_kernels(monkeypatch, store):
@@ -257,7 +270,8 @@ def test_keys_too_small_to_time_take_the_first_candidate_and_the_tl_backward(mon
     tl_backward, hopper_backward = fake_backward_kernels(launched := [])
     assert tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
                                  torch.bfloat16, 100, 100, ()) is None  # the `tl` pair
-    assert launched == [] and store().get(repr(next(iter(tuner.best_backward)))) is None  # nothing kept on disk
+    # nothing kept on disk
+    assert launched == [] and store().get(tuner.stored_key(next(iter(tuner.best_backward)))) is None
     # from TIMED_FROM on (bucket 256: T from 129), a key is timed
     monkeypatch.setattr(tuner, "timed", lambda first_runs: {choice: 1.0 for choice in first_runs})
     tuner.backward_choice(tl_backward, hopper_backward, [HopperBackwardTile(2, False)], 64, True, False,
@@ -277,13 +291,14 @@ def test_a_term_key_takes_its_plain_keys_backward_choice_untimed(monkeypatch, st
     plain = tuner.BackwardKey(64, True, False, torch.bfloat16, 1024, 1024, tuple(tiles))
     # no plain choice anywhere: the `tl` pair
     assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (), ("SOFTCAP",)) is None
-    store().put(repr(plain), [3, True])  # the plain key's choice on disk (a shipped one, say)
+    store().put(tuner.stored_key(plain), [3, True])  # the plain key's choice on disk (a shipped one, say)
     assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
                                  ("ALIBI", "SINKS")) == (3, True)
     tuner.best_backward[plain] = HopperBackwardTile(2, False)  # ... or in this process
     assert tuner.backward_choice(*kernels, tiles, 64, True, False, torch.bfloat16, 1000, 1000, (),
                                  ("SOFTCAP", "ALIBI")) == (2, False)
-    assert (plain, ("SOFTCAP",)) in tuner.best_backward and store().get(repr(plain)) == [3, True]  # plain key as was
+    assert (plain, ("SOFTCAP",)) in tuner.best_backward
+    assert store().get(tuner.stored_key(plain)) == [3, True]  # the plain key's choice as it was
     assert tuner.tuned_choices(64, True, torch.bfloat16, 1000, 1000)["bwd"] == (2, False)  # term keys left out
 
 
@@ -307,8 +322,9 @@ def test_a_term_key_takes_its_plain_keys_forward_choice_untimed(monkeypatch, sto
     assert choice == (tiles.TL_TILES["fwd"][64][0], None)
     monkeypatch.setattr(tuner, "best_tile", {})
     plain_key = tuner.TuningKey("fwd", tuple(plain.items()), None, True, torch.bfloat16, 1024, 1024)
-    store().put(repr(plain_key), tuner._as_json((hopper_tile, "hopper")))  # the plain key's (shipped) choice
+    # the plain key's (shipped) choice
+    store().put(tuner.stored_key(plain_key), tuner._as_json((hopper_tile, "hopper")))
     choice, _ = tuner.tuned_launch(*call, hopper=hopper)
     assert choice == (hopper_tile, "hopper") and launched[-1] == hopper_tile
-    assert store().get(repr(tuner.TuningKey("fwd", tuple(with_terms.items()), None, True, torch.bfloat16, 1024,
-                                            1024))) is None  # nothing kept for the term key
+    term_key = tuner.TuningKey("fwd", tuple(with_terms.items()), None, True, torch.bfloat16, 1024, 1024)
+    assert store().get(tuner.stored_key(term_key)) is None  # nothing kept for the term key

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from attention.flash import tuning_store
-from attention.flash.tuning_store import TuningStore, gpu_slug
+from attention.flash.tuning_store import FORMAT, TuningStore, gpu_slug
 
 H100 = dict(gpu="NVIDIA H100 80GB HBM3", triton="3.6.0", package="0.1.0")
 KEY = "fwd|HEAD_DIM=64|causal=True|Tq=4096|Tk=4096|dtype=bf16"
@@ -39,7 +39,7 @@ def test_round_trip_across_instances(tmp_path, recwarn):
     assert first.get(KEY) == [128, 64, 8, 3]
     assert open_store(tmp_path).get(KEY) == [128, 64, 8, 3]  # a later process
     data = json.loads(first.path.read_text())
-    assert data == {"format": 1, **H100, "choices": {KEY: [128, 64, 8, 3], "bwd|x": None}}
+    assert data == {"format": FORMAT, **H100, "choices": {KEY: [128, 64, 8, 3], "bwd|x": None}}
     assert len(recwarn) == 0
 
 
@@ -47,7 +47,7 @@ def test_shipped_used_and_user_wins(tmp_path, recwarn):
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps(
-        {"format": 1, **H100, "choices": {KEY: [64, 64, 4, 3], "dq|y": [128, 64, 8, 3]}}))
+        {"format": FORMAT, **H100, "choices": {KEY: [64, 64, 4, 3], "dq|y": [128, 64, 8, 3]}}))
     store = open_store(tmp_path / "cache", shipped)
     assert store.get(KEY) == [64, 64, 4, 3] and store.get("dq|y") == [128, 64, 8, 3]
     store.put(KEY, [128, 64, 8, 3])
@@ -62,24 +62,24 @@ def test_shipped_used_and_user_wins(tmp_path, recwarn):
 
 
 @pytest.mark.parametrize("stale", [dict(triton="3.5.0"), dict(package="0.0.9"), dict(gpu="NVIDIA H200"),
-                                   dict(format=2)])
+                                   dict(format=1)])
 def test_stale_file_ignored_with_one_warning_and_replaced(tmp_path, stale):
     path = open_store(tmp_path).path
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"format": 1, **H100, **stale, "choices": {KEY: [1, 2, 3, 4]}}))
+    path.write_text(json.dumps({"format": FORMAT, **H100, **stale, "choices": {KEY: [1, 2, 3, 4]}}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         store = open_store(tmp_path)
         assert store.get(KEY) is None
         store.put("dq|y", [64, 64, 4, 3])
     assert len(caught) == 1 and str(path) in str(caught[0].message) and "\n" not in str(caught[0].message)
-    assert json.loads(path.read_text()) == {"format": 1, **H100, "choices": {"dq|y": [64, 64, 4, 3]}}
+    assert json.loads(path.read_text()) == {"format": FORMAT, **H100, "choices": {"dq|y": [64, 64, 4, 3]}}
 
 
-@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]", '{"format": 1}', b"\xff\xfe".decode("latin-1"),
-                                  json.dumps({"format": 1, **H100, "choices": [KEY]}),
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]", '{"format": 2}', b"\xff\xfe".decode("latin-1"),
+                                  json.dumps({"format": FORMAT, **H100, "choices": [KEY]}),
                                   json.dumps({"format": "1", **H100, "choices": {}}),
-                                  json.dumps({"format": 1, **H100, "triton": 3.6, "choices": {}})])
+                                  json.dumps({"format": FORMAT, **H100, "triton": 3.6, "choices": {}})])
 def test_corrupt_file_ignored_with_one_warning_and_rebuilt(tmp_path, text):
     path = open_store(tmp_path).path
     path.parent.mkdir(parents=True)
@@ -136,7 +136,7 @@ def test_unwritable_dir_warns_once_and_keeps_choices_in_memory(tmp_path):
 def test_export_is_read_as_shipped(tmp_path, recwarn):
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    (shipped / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps({"format": 1, **H100, "choices": {"dq|y": [1]}}))
+    (shipped / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps({"format": FORMAT, **H100, "choices": {"dq|y": [1]}}))
     store = open_store(tmp_path / "gpu-session", shipped)
     store.put(KEY, [128, 64, 8, 3])
     out = store.export(tmp_path / "repo" / "tuning")

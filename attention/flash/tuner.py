@@ -14,6 +14,7 @@ tests), and so does a key too small to time (TIMED_FROM).
 """
 import functools
 import os
+import re
 import statistics
 from pathlib import Path
 from typing import NamedTuple
@@ -99,10 +100,17 @@ def choices_store(device: int) -> TuningStore:
                             shipped_dir=SHIPPED_CHOICES)
 
 
+def stored_key(key: tuple) -> str:
+    """key as the store keeps it: its repr without field names, tile type names or "torch." (the shipped files are
+    one line a key, and the names would be most of each line); a key's fields keep their order, so it stays unique:
+    TuningKey('fwd',(('HEAD_DIM',64),...),('pointers',),True,bfloat16,8192,8192)."""
+    return re.sub(r"\b\w+=|torch\.|\b\w+Tile(?=\()", "", repr(key)).replace(", ", ",")
+
+
 def _stored_choice(key: tuple, candidates: list):
     """The choice kept on disk for key if it is still one of the candidates (a stored tile a newer table dropped is
     timed anew), else None; JSON holds a tile as a list, so each candidate is compared in that form."""
-    stored = choices_store(torch.cuda.current_device()).get(repr(key))
+    stored = choices_store(torch.cuda.current_device()).get(stored_key(key))
     return next((choice for choice in candidates if _as_json(choice) == stored), None)
 
 
@@ -112,7 +120,7 @@ def _as_json(choice):
 
 
 def _keep(key: tuple, choice) -> None:
-    choices_store(torch.cuda.current_device()).put(repr(key), _as_json(choice))
+    choices_store(torch.cuda.current_device()).put(stored_key(key), _as_json(choice))
 
 
 def tuned_launch(kernel: str, jit_fn, grid_of_tile, args, constants: dict, Tq: int, Tk: int, dtype,

@@ -6,7 +6,7 @@
     store.put(key, choice)           # JSON keeps lists, not tuples: the tuner turns a tile back into a tuple
 
 One JSON file per GPU model, <cache_dir>/tuning/<gpu slug>.json:
-    {"format": 1, "gpu": ..., "triton": ..., "package": ..., "choices": {key: value}}
+    {"format": 2, "gpu": ..., "triton": ..., "package": ..., "choices": {key: value}}   (keys: tuner.stored_key)
 The cache dir is $NANOFLASH_CACHE_DIR, else $XDG_CACHE_HOME/nanoflash, else ~/.cache/nanoflash. A file written for
 another GPU, Triton or package version is stale: a tile's speed changes with the compiler, so its choices are
 ignored and the file is replaced on the next put. Files shipped in the repository (shipped_dir, same format) serve
@@ -24,7 +24,7 @@ try:
 except ImportError:  # Windows: no flock, so processes putting at the same moment may drop each other's entries
     fcntl = None
 
-FORMAT = 1
+FORMAT = 2  # 2: keys as tuner.stored_key writes them
 CORRUPT = "is not a readable nanoflash tuning file"
 
 
