@@ -31,6 +31,7 @@ from data.loader import TokenLoader
 from data.shards import INDEX, ShardError
 from data.tokenizer import EOT_TOKEN, get_encoding
 from model import GPT, PRESET_ALIASES, PRESETS, GPTConfig
+from training import warm_kernels
 from training.checkpoint import CheckpointError, Checkpoints, rng_state, set_rng_state
 from training.config import ConfigError, TrainConfig, parse_args
 from training.distributed import (LostRankError, World, broadcast_from_main, close_process_group, data_parallel,
@@ -344,6 +345,8 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     set_tf32(cfg, device)
     check_out_dir(cfg.out_dir)
     dtype = pick_dtype(cfg, device)
+    # our Triton kernels compile in a helper while this process builds and traces the model (a fresh start's cost)
+    warm_kernels.start(cfg.gpt_config(), cfg.batch_size, dtype, device, world.local_rank)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     grad_accum = cfg.grad_accum_steps(world.size)
     tokens_per_step = cfg.batch_size * cfg.block_size * grad_accum * world.size
