@@ -12,20 +12,16 @@ explains them, the checkpoints and the metrics.jsonl format.
 import math
 import os
 import random
-import signal
-import socket
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from attention import get_backend
 from data import shakespeare
 from data.loader import TokenLoader
 from data.shards import INDEX, ShardError
@@ -38,7 +34,10 @@ from training.distributed import (LostRankError, World, broadcast_from_main, clo
                                   fsdp_no_sync, full_state, gather_to_main, init_process_group, load_optimizer_state,
                                   local, lost_contact, shard, sum_across_ranks, wait_for_all_ranks, world_from_env)
 from training.logger import RunLogger, format_skipped, format_step, peak_flops
+from training.preflight import (check_attention_device, check_hub_reachable, check_out_dir, pick_device,
+                                pick_dtype, set_tf32)
 from training.step import TrainStep
+from training.stop import Stopped, StopSignal
 
 # The first steps of every process include torch.compile and CUDA warm-up; their records carry
 # "warmup": true so that timing comparisons can leave them out.
@@ -55,146 +54,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def pick_device(cfg: TrainConfig, world: World) -> torch.device:
-    name = cfg.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={cfg.device!r} but torch sees no CUDA GPU; pass --device=cpu")
-    if name == "cuda" or (name.startswith("cuda") and "RANK" in os.environ):
-        name = f"cuda:{world.local_rank}"  # under torchrun each process drives the GPU of its local rank
-    return torch.device(name)
-
-
-def check_attention_device(cfg: TrainConfig, device: torch.device) -> None:
-    """The attention backend runs on this device, or a ConfigError naming the choices (before anything is built)."""
-    check = get_backend(cfg.attn).check_device
-    try:
-        if check is not None:
-            check(device)
-    except ValueError as err:
-        raise ConfigError(f"--attn={cfg.attn}: {err}") from None
-
-
-def check_out_dir(path: str) -> None:
-    """out_dir can take the run's files, or a ConfigError naming the way out: checked before anything is built or
-    downloaded. The folder itself may not exist yet; its nearest existing parent must be a folder we may write."""
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing) or "."
-    if not os.path.isdir(existing):
-        raise ConfigError(f"out_dir {path!r} cannot be made: {existing!r} is a file; pass --out_dir=a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"out_dir {path!r} cannot be written: {existing!r} is read-only; pass --out_dir=a folder "
-                          "you can write to")
-
-
-def check_hub_reachable(name: str) -> None:
-    """GPT-2 weights by name come from the Hugging Face cache or its Hub; offline and not cached, say so in a line
-    now rather than after transformers' retries."""
-    try:
-        from huggingface_hub import constants, try_to_load_from_cache
-    except ImportError:
-        return  # GPT.from_pretrained names what to install
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    way_out = "run once online, or pass the path of a downloaded model.safetensors"
-    if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache, and HF_HUB_OFFLINE is "
-                          f"set; {way_out}")
-    host = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((host.hostname, host.port or 443), timeout=5).close()
-    except OSError as err:
-        raise ConfigError(f"init_from={name}: the weights are not in the Hugging Face cache and {host.hostname} cannot "
-                          f"be reached ({err}); {way_out}")
-
-
 def finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
 class NonFiniteError(RuntimeError):
     """Training met non-finite losses or gradients it may not go on with (TrainConfig.nonfinite)."""
-
-
-def pick_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    name = cfg.dtype
-    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
-    if name == "auto":
-        # fp32 on CPU: autocast there is slow and lossy, and the CPU runs are tests and smoke runs
-        name = "float32" if device.type == "cpu" else "bfloat16" if bf16_ok else "float16"
-    if name == "bfloat16" and not bf16_ok:
-        raise ConfigError(f"{torch.cuda.get_device_name(device)} has no bfloat16; pass --dtype=float16")
-    if name == "float16" and cfg.parallel == "fsdp":
-        # the loss scaler would judge each rank's gradient shard alone, and the ranks would skip steps apart
-        raise ConfigError("parallel=fsdp does not train in float16 (its loss scaler sees one shard); pass "
-                          "--dtype=bfloat16 or --dtype=float32, or --parallel=ddp")
-    return getattr(torch, name)
-
-
-def set_tf32(cfg: TrainConfig, device: torch.device) -> None:
-    """TF32 for the float32 matmuls and convolutions that remain (tf32=true), or exact float32 (tf32=false)."""
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
-
-
-class Stopped(BaseException):
-    """Raised by SIGINT/SIGTERM inside StopSignal.interruptible(). A BaseException, as KeyboardInterrupt is, so that
-    no `except Exception` on its way swallows it."""
-
-
-class StopSignal:
-    """SIGINT/SIGTERM stop the run within seconds, wherever it is, and the checkpoint holds the last whole step.
-    Inside interruptible() (evaluation, sampling, a step's forward and backward passes: nothing there changes the
-    weights) the signal raises Stopped at once. Elsewhere it only sets a flag that the loop reads after the step:
-    stopping inside the optimizer update would save half-updated weights. immediate=False (DDP) always takes the
-    flag, so that every rank stops after the same step. A second signal exits at once without saving; the last
-    checkpoint stays as it was, since a save writes a temporary file and renames it."""
-
-    def __init__(self, immediate: bool):
-        self.immediate = immediate
-
-    def __enter__(self):
-        self.signum, self.raising = None, self.immediate  # a run's set-up writes nothing that a stop could cut short
-        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            sys.stdout.flush()
-            print(f"train.py: second {signal.Signals(signum).name}: exiting at once, without saving", file=sys.stderr,
-                  flush=True)
-            os._exit(128 + signum)
-        self.signum = signum
-        if self.raising:
-            raise Stopped(self.name)
-
-    @contextmanager
-    def interruptible(self):
-        if not self.immediate:
-            yield
-            return
-        if self.signum is not None:  # it came during the last update or save
-            raise Stopped(self.name)
-        self.raising = True
-        try:
-            yield
-        finally:
-            self.raising = False
-
-    def hold(self) -> None:
-        """End the set-up: from here on only interruptible() raises."""
-        self.raising = False
-
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 def build_model(cfg: TrainConfig, checkpoint: dict | None) -> GPT:

@@ -31,10 +31,10 @@ import torch
 
 from benchmarks.compare_report import default_reference, write_report
 from benchmarks.report import environment, parse_bool, write_json
-from train import check_attention_device, pick_device
 from training.config import ConfigError
 from training.config import parse_args as parse_train_args
 from training.distributed import World
+from training.preflight import check_attention_device, pick_device
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 SET_PER_RUN = ("out_dir", "wandb_group", "wandb_run_name")

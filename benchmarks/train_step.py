@@ -28,9 +28,10 @@ from torch.profiler import ProfilerActivity, profile
 from attention.flash import tuner
 from benchmarks.report import environment, fmt, markdown_table, rotations, write_json
 from model import GPT
-from train import open_loader, pick_device, pick_dtype, set_tf32
+from train import open_loader
 from training.config import ConfigError, parse_args
 from training.distributed import World
+from training.preflight import pick_device, pick_dtype, set_tf32
 from training.step import TrainStep
 
 # GPU kernels by name. Ours are attn_fwd*/attn_bwd_* (the Hopper backward's pre- and post-pass too) and _moba_*;

@@ -24,10 +24,11 @@ import torch
 from benchmarks.report import environment, parse_bool, write_json
 from data.loader import TokenLoader
 from examples.llama import Llama, LlamaConfig
-from train import TIMING_WARMUP_STEPS, lr_at, pick_device, pick_dtype
+from train import TIMING_WARMUP_STEPS, lr_at
 from training.config import ConfigError, TrainConfig
 from training.distributed import World
 from training.logger import RunLogger, format_step
+from training.preflight import pick_device, pick_dtype
 
 TRAIN_FLAGS = ("data_dir", "max_steps", "batch_size", "learning_rate", "min_lr", "warmup_steps",
                "weight_decay", "grad_clip", "seed", "device", "dtype", "compile")

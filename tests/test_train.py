@@ -30,6 +30,7 @@ from model import GPT, GPTConfig
 from training.checkpoint import CheckpointError, Checkpoints, read_checkpoint
 from training.config import ConfigError, TrainConfig, parse_args
 from training.logger import RunLogger, peak_flops
+from training.preflight import set_tf32
 
 VOCAB = 64
 # tiny: 2 layers, 2 heads of 16 channels, 16-token context, 4 sequences per batch
@@ -88,9 +89,9 @@ def test_wandb_gets_the_skip_count_not_the_non_finite_values(tmp_path):
 def test_tf32_sets_cudas_float32_matmul_precision(tf32, precision):
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
-        train.set_tf32(parse_args([f"--tf32={tf32}"]), torch.device("cuda"))
+        set_tf32(parse_args([f"--tf32={tf32}"]), torch.device("cuda"))
         assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (precision, tf32)
-        train.set_tf32(parse_args([f"--tf32={not tf32}"]), torch.device("cpu"))  # no CUDA: nothing changes
+        set_tf32(parse_args([f"--tf32={not tf32}"]), torch.device("cpu"))  # no CUDA: nothing changes
         assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == (precision, tf32)
     finally:
         torch.set_float32_matmul_precision(before[0])
@@ -412,8 +413,8 @@ def test_a_signal_during_the_set_up_ends_the_run_in_one_line(tmp_path, data_dir,
 
 def test_a_second_signal_exits_at_once_in_one_line():
     # under DDP the first signal only sets the flag the ranks read after the step; the second must not wait for it
-    script = ("import os, signal, time, train\n"
-              "with train.StopSignal(immediate=False):\n"
+    script = ("import os, signal, time\nfrom training.stop import StopSignal\n"
+              "with StopSignal(immediate=False):\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "    time.sleep(60)\n")
