@@ -20,7 +20,6 @@ once here and stored as (block_size, block_size) booleans that the kernel reads.
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -338,41 +337,6 @@ def _spans_of_runs(ids: torch.Tensor) -> torch.Tensor:
     end = torch.where(torch.cat([changes, edge], 1), pos + 1, T).flip(1).cummin(1).values.flip(1)
     runs = (ids[:, 1:] >= ids[:, :-1]).all(1, keepdim=True)
     return torch.stack([torch.where(runs, first, -1), torch.where(runs, end, T)], 1).to(torch.int32)
-
-
-def sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """(1, 2, total) int32 spans of packed sequences (§14): row t's sequence [first, end) from the (n + 1,) offsets,
-    without reading them on the host. Kept per cu_seqlens tensor (as a model passes one to every layer)."""
-    return kept_per_tensor(cu_seqlens, ("spans", total), lambda: _sequence_spans(cu_seqlens, total))
-
-
-def _sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    rows = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
-    # the last offset at or before each row: empty sequences (repeated offsets) hold no row
-    sequence = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(max=cu_seqlens.shape[0] - 2)
-    return torch.stack([cu_seqlens[sequence], cu_seqlens[sequence + 1]])[None].to(torch.int32)
-
-
-# (id(tensor), key) -> (a weak reference to the tensor, its version, the value): what is built from a tensor that
-# callers pass again and again (a batch's document ids or cu_seqlens, to every layer); the version (bumped by every
-# in-place write) tells a tensor changed in place from the one the value was built from
-_per_tensor: dict[tuple, tuple[weakref.ref, int, object]] = {}
-KEPT_PER_TENSOR = 8
-
-
-def kept_per_tensor(tensor: torch.Tensor, key: tuple, build: Callable):
-    """build() once per (tensor, key) while the tensor is alive and unchanged; the last KEPT_PER_TENSOR kept."""
-    if torch.compiler.is_compiling():  # inside a graph the build is traced, nothing kept
-        return build()
-    full_key = (id(tensor), *key)
-    kept = _per_tensor.get(full_key)
-    if kept is not None and kept[0]() is tensor and kept[1] == tensor._version:
-        return kept[2]
-    value = build()
-    if len(_per_tensor) >= KEPT_PER_TENSOR:
-        del _per_tensor[next(iter(_per_tensor))]  # the oldest: batches come and go
-    _per_tensor[full_key] = (weakref.ref(tensor), tensor._version, value)
-    return value
 
 
 def _padded(mask_fn: Callable, row0: int, Tq: int, Tk: int, device) -> Callable:

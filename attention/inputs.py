@@ -1,5 +1,9 @@
 """What attention() takes: q, k, v checked before any backend runs, so bad input fails with a message that names
-the fix instead of a shape error from deep inside a matmul or a kernel; and q, k, v as views of one packed tensor."""
+the fix instead of a shape error from deep inside a matmul or a kernel; q, k, v as views of one packed tensor; and
+what is built from an input a model passes to every layer (document ids, cu_seqlens, a mask), kept per tensor."""
+import weakref
+from collections.abc import Callable
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -110,3 +114,38 @@ def check_terms(q: torch.Tensor, batch: int, heads: int, softcap, alibi_slopes, 
                         "cast them with .float()")
     if sinks is not None and not sinks.dtype.is_floating_point:
         raise TypeError(f"sinks must be a floating tensor (one learned logit per query head), got {sinks.dtype}")
+
+
+def sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(1, 2, total) int32 spans of packed sequences (§14): row t's sequence [first, end) from the (n + 1,) offsets,
+    without reading them on the host. Kept per cu_seqlens tensor (as a model passes one to every layer)."""
+    return kept_per_tensor(cu_seqlens, ("spans", total), lambda: _sequence_spans(cu_seqlens, total))
+
+
+def _sequence_spans(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    rows = torch.arange(total, device=cu_seqlens.device, dtype=torch.int32)
+    # the last offset at or before each row: empty sequences (repeated offsets) hold no row
+    sequence = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(max=cu_seqlens.shape[0] - 2)
+    return torch.stack([cu_seqlens[sequence], cu_seqlens[sequence + 1]])[None].to(torch.int32)
+
+
+# (id(tensor), key) -> (a weak reference to the tensor, its version, the value): what is built from a tensor that
+# callers pass again and again (a batch's document ids or cu_seqlens, to every layer); the version (bumped by every
+# in-place write) tells a tensor changed in place from the one the value was built from
+_per_tensor: dict[tuple, tuple[weakref.ref, int, object]] = {}
+KEPT_PER_TENSOR = 8
+
+
+def kept_per_tensor(tensor: torch.Tensor, key: tuple, build: Callable):
+    """build() once per (tensor, key) while the tensor is alive and unchanged; the last KEPT_PER_TENSOR kept."""
+    if torch.compiler.is_compiling():  # inside a graph the build is traced, nothing kept
+        return build()
+    full_key = (id(tensor), *key)
+    kept = _per_tensor.get(full_key)
+    if kept is not None and kept[0]() is tensor and kept[1] == tensor._version:
+        return kept[2]
+    value = build()
+    if len(_per_tensor) >= KEPT_PER_TENSOR:
+        del _per_tensor[next(iter(_per_tensor))]  # the oldest: batches come and go
+    _per_tensor[full_key] = (weakref.ref(tensor), tensor._version, value)
+    return value

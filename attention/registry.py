@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_mask import BlockMask, kept_per_tensor
+from .block_mask import BlockMask
 from .reference.compiled import compiled_attention
-from .inputs import TERMS, check_qkv, check_qkv_packed, check_terms, unpack_qkv, used_terms
+from .inputs import TERMS, check_qkv, check_qkv_packed, check_terms, kept_per_tensor, unpack_qkv, used_terms
 from .masks import check_document_ids, check_window
 from .moba.reference import check_moba_options, moba_backend, moba_keys_per_query
 from .reference.naive import naive_attention

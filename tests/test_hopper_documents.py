@@ -13,7 +13,7 @@ from helpers import ROOT, assert_errors_within, assert_matches_fp64, out_and_gra
 
 from attention import BlockMask, attention, attention_varlen
 from attention.flash import dispatch
-from attention import block_mask
+from attention import block_mask, inputs
 from attention.flash import autograd
 from attention.flash.block_lists import document_spans
 from attention.flash import device
@@ -57,11 +57,11 @@ def test_spans_by_kernel_and_by_torch_follow_their_definition():
 
 def test_sequence_spans_skip_empty_sequences():
     cu = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)  # lengths 3, 0, 1, 5
-    spans = block_mask.sequence_spans(cu, 9)
+    spans = inputs.sequence_spans(cu, 9)
     assert spans.tolist() == [[[0, 0, 0, 3, 4, 4, 4, 4, 4], [3, 3, 3, 4, 9, 9, 9, 9, 9]]]
-    assert block_mask.sequence_spans(cu, 9) is spans  # kept for the tensor...
+    assert inputs.sequence_spans(cu, 9) is spans  # kept for the tensor...
     cu[1] = 2
-    assert block_mask.sequence_spans(cu, 9)[0, 1, 0] == 2  # ...until it changes in place
+    assert inputs.sequence_spans(cu, 9)[0, 1, 0] == 2  # ...until it changes in place
 
 
 def test_spans_go_to_the_kernels_for_documents_alone_on_hopper(monkeypatch):

@@ -30,11 +30,10 @@ take PackedFlashAttentionFunction (nanoflash::flash_attn_fwd_qkvpacked compiled)
 import torch
 
 from . import dispatch, native
-from ..inputs import check_qkv, check_terms, unpack_qkv
+from ..inputs import check_qkv, check_terms, sequence_spans, unpack_qkv
 from .launch import recording
 from .ops import define_op
 from .terms import NO_TERMS, Terms, plain_call, terms_of
-from ..block_mask import sequence_spans
 from .device import check_triton_support, is_hopper
 from .dropout import draw_seed
 

@@ -30,7 +30,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from .. import attention, attention_varlen, causal_mask, get_backend
-from ..block_mask import kept_per_tensor
+from ..inputs import kept_per_tensor
 from ..masks import window_mask
 
 # transformers chooses code paths from substrings of the implementation's name: a name containing
