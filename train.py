@@ -202,6 +202,86 @@ def train(cfg: TrainConfig) -> None:
         close_process_group()
 
 
+def resume_state(checkpoint: dict, raw_model: GPT, optimizer, scaler, train_loader: TokenLoader, world: World,
+                 sharded: bool) -> None:
+    """The optimizer, loss scaler, data position and random streams where the checkpoint left them (the weights are
+    build_model's), or a ConfigError saying the checkpoint does not fit this run."""
+    try:
+        load_optimizer_state(raw_model, optimizer, checkpoint["optimizer"], sharded)
+        scaler.load_state_dict(checkpoint["scaler"])
+        train_loader.load_state_dict(checkpoint["train_loader"])
+    except ShardError:
+        raise  # a damaged shard names itself
+    except (ValueError, KeyError, IndexError, RuntimeError) as err:
+        raise ConfigError(f"the checkpoint's optimizer or data state does not fit this run ({err}); resume with "
+                          "the settings and data_dir that trained it") from None
+    if len(checkpoint["rng"]) == world.size:
+        set_rng_state(checkpoint["rng"][world.rank])
+    elif world.is_main:
+        print(f"checkpoint was written by {len(checkpoint['rng'])} processes, this run has {world.size}: "
+              "random streams (dropout) start fresh; data order and weights continue exactly")
+
+
+class SettledSteps:
+    """The run's launched steps as their results are read, one step late (settle; training/step.py): the progress
+    bar and the step records, the skipped steps (in all, and non-finite in a row), and a stop request from any rank
+    (stopped_by, None until one comes)."""
+
+    def __init__(self, cfg: TrainConfig, world: World, device: torch.device, logger: RunLogger | None,
+                 start_step: int, skipped: int, mfu_per_token: float | None, stop: StopSignal,
+                 checkpoints: Checkpoints):
+        self.cfg, self.world, self.device, self.logger, self.start_step = cfg, world, device, logger, start_step
+        self.mfu_per_token, self.stop, self.checkpoints = mfu_per_token, stop, checkpoints
+        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size) * world.size
+        # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
+        self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True,
+                        dynamic_ncols=True)
+        self.skipped, self.in_a_row, self.stopped_by = skipped, 0, None
+        self.settled_at = time.perf_counter()
+
+    def settle(self, launched) -> None:
+        """Read a launched step's results, log them; raise NonFiniteError after too many non-finite steps in a row,
+        note a stop request from any rank."""
+        cfg = self.cfg
+        n, pending, launched_at = launched
+        result = pending.wait()
+        now = time.perf_counter()
+        # the step's span on the GPU's stream (training/step.py); on the CPU, where a step runs as it is launched,
+        # its share of the wall clock
+        step_s = result.device_ms / 1000 if result.device_ms is not None else now - max(self.settled_at, launched_at)
+        self.settled_at = now
+        self.in_a_row = 0 if result.finite else self.in_a_row + 1
+        self.skipped += not result.finite
+        tokens_per_s = self.tokens_per_step / step_s
+        if self.world.is_main:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr_at(n, cfg):.2e}", ms=f"{1000 * step_s:.0f}",
+                                 tok_s=f"{tokens_per_s:,.0f}")
+            if n % cfg.log_interval == 0 or n == cfg.max_steps - 1 or not result.finite:
+                record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
+                    "step": n, "train_loss": finite_or_none(result.loss), "lr": lr_at(n, cfg),
+                    "grad_norm": finite_or_none(result.grad_norm),
+                    "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_s,
+                    "mfu": self.mfu_per_token * tokens_per_s if self.mfu_per_token is not None else None,
+                    "peak_mem_gb": (torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda"
+                                    else None),
+                    "attn": cfg.attn, "warmup": n - self.start_step < TIMING_WARMUP_STEPS,
+                    "skipped": not result.finite, "skipped_steps": self.skipped,
+                }
+                self.logger.log_train(record)
+                self.bar.write(format_skipped(n, result.loss, result.grad_norm, self.skipped, self.in_a_row, cfg)
+                               if not result.finite else format_step(record, cfg.max_steps))
+        if not result.finite and (cfg.nonfinite == "stop" or self.in_a_row >= cfg.max_skipped_steps):
+            if self.world.is_main:
+                self.logger.close()
+            raise NonFiniteError(
+                f"{self.in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step {n}, "
+                f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
+                f"{self.checkpoints.where_to_resume()}")
+        if result.stop_votes and self.stopped_by is None:
+            self.stopped_by = self.stop.name if self.stop.signum else "a signal to another rank"
+
+
 def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) -> None:
     # a different seed per rank gives each its own dropout masks; DDP (and broadcast_from_main before FSDP2
     # shards the model) copies rank 0's initial weights to all
@@ -237,23 +317,9 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     # a sharded model's forward is a collective: every rank samples (the same tokens), rank 0 logs them
     samples_here = world.is_main or sharded
     prompt = prompt_tokens(cfg, vocab_size) if cfg.sample_interval and samples_here else None
-    best_val_loss = math.inf
     if checkpoint:
-        try:
-            load_optimizer_state(raw_model, optimizer, checkpoint["optimizer"], sharded)
-            scaler.load_state_dict(checkpoint["scaler"])
-            train_loader.load_state_dict(checkpoint["train_loader"])
-        except ShardError:
-            raise  # a damaged shard names itself
-        except (ValueError, KeyError, IndexError, RuntimeError) as err:
-            raise ConfigError(f"the checkpoint's optimizer or data state does not fit this run ({err}); resume with "
-                              "the settings and data_dir that trained it") from None
-        best_val_loss = checkpoint["best_val_loss"]
-        if len(checkpoint["rng"]) == world.size:
-            set_rng_state(checkpoint["rng"][world.rank])
-        elif world.is_main:
-            print(f"checkpoint was written by {len(checkpoint['rng'])} processes, this run has {world.size}: "
-                  "random streams (dropout) start fresh; data order and weights continue exactly")
+        resume_state(checkpoint, raw_model, optimizer, scaler, train_loader, world, sharded)
+    best_val_loss = checkpoint["best_val_loss"] if checkpoint else math.inf
 
     model = torch.compile(raw_model) if cfg.compile else raw_model
     no_sync = partial(fsdp_no_sync, raw_model) if sharded else None
@@ -279,6 +345,9 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # steps without an update, in all
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
+    steps = SettledSteps(cfg, world, device, logger, start_step, skipped,
+                         flops_per_token / (peak * world.size) if peak else None, stop, checkpoints)
+
     def save(step: int) -> None:
         # a non-finite weight never reaches a checkpoint: the last good one stays the newest. Each rank checks what
         # it holds (an FSDP2 shard) and the ranks add up their verdicts, so all raise alike
@@ -294,71 +363,28 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                 "model": weights, "optimizer": optimizer_state, "scaler": scaler.state_dict(),
                 "model_config": asdict(raw_model.config), "train_config": asdict(cfg),
                 "step": step, "best_val_loss": best_val_loss, "train_loader": train_loader.state_dict(),
-                "rng": rng, "wandb_run_id": logger.wandb_run_id, "skipped_steps": skipped,
+                "rng": rng, "wandb_run_id": logger.wandb_run_id, "skipped_steps": steps.skipped,
             })
 
-    # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True, dynamic_ncols=True)
     # step: optimizer steps launched so far (updates and skipped ones). A launched step's loss and flags are read
     # (settled) after the next step is queued, so the GPU never waits for the host between steps (training/step.py);
     # evaluation, samples, checkpoints and the end settle it first, so they describe the model after `step` steps
-    step, stopped_by, in_a_row, in_flight = start_step, None, 0, None
-    settled_at = time.perf_counter()
-
-    def settle(launched) -> None:
-        """Read a launched step's results, log them; raise NonFiniteError after too many non-finite steps in a row,
-        note a stop request (stopped_by) from any rank."""
-        nonlocal settled_at, in_a_row, skipped, stopped_by
-        n, pending, launched_at = launched
-        result = pending.wait()
-        now = time.perf_counter()
-        # the step's span on the GPU's stream (training/step.py); on the CPU, where a step runs as it is launched,
-        # its share of the wall clock
-        step_s = result.device_ms / 1000 if result.device_ms is not None else now - max(settled_at, launched_at)
-        settled_at = now
-        in_a_row = 0 if result.finite else in_a_row + 1
-        skipped += not result.finite
-        tokens_per_s = tokens_per_step / step_s
-        if world.is_main:
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr_at(n, cfg):.2e}", ms=f"{1000 * step_s:.0f}",
-                            tok_s=f"{tokens_per_s:,.0f}")
-            if n % cfg.log_interval == 0 or n == cfg.max_steps - 1 or not result.finite:
-                record = {  # a skipped step's non-finite loss or norm is written as null: metrics.jsonl stays JSON
-                    "step": n, "train_loss": finite_or_none(result.loss), "lr": lr_at(n, cfg),
-                    "grad_norm": finite_or_none(result.grad_norm),
-                    "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_s,
-                    "mfu": flops_per_token * tokens_per_s / (peak * world.size) if peak else None,
-                    "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-                    "attn": cfg.attn, "warmup": n - start_step < TIMING_WARMUP_STEPS,
-                    "skipped": not result.finite, "skipped_steps": skipped,
-                }
-                logger.log_train(record)
-                bar.write(format_skipped(n, result.loss, result.grad_norm, skipped, in_a_row, cfg)
-                          if not result.finite else format_step(record, cfg.max_steps))
-        if not result.finite and (cfg.nonfinite == "stop" or in_a_row >= cfg.max_skipped_steps):
-            if world.is_main:
-                logger.close()
-            raise NonFiniteError(
-                f"{in_a_row} step(s) in a row had a non-finite loss or gradient norm (the last at step {n}, "
-                f"--nonfinite={cfg.nonfinite}); stopped without saving. Lower --learning_rate or check the data; "
-                f"{checkpoints.where_to_resume()}")
-        if result.stop_votes and stopped_by is None:
-            stopped_by = stop.name if stop.signum else "a signal to another rank"
+    step, in_flight = start_step, None
 
     try:
         while True:
             rewind = train_loader.state_dict(), rng_state()  # where a step cut short by a signal goes back to
-            last = step >= cfg.max_steps or stopped_by is not None  # >=: a resume may start past a lowered max_steps
-            evaluate_now = cfg.eval_interval and (step % cfg.eval_interval == 0 or last) and stopped_by is None
-            sample_now = (samples_here and cfg.sample_interval and stopped_by is None
+            # >=: a resume may start past a lowered max_steps
+            last = step >= cfg.max_steps or steps.stopped_by is not None
+            evaluate_now = cfg.eval_interval and (step % cfg.eval_interval == 0 or last) and steps.stopped_by is None
+            sample_now = (samples_here and cfg.sample_interval and steps.stopped_by is None
                           and ((step and step % cfg.sample_interval == 0) or last))
             save_now = cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and start_step < step
             if in_flight and (last or evaluate_now or sample_now or save_now):
                 in_flight, launched = None, in_flight
-                settle(launched)
+                steps.settle(launched)
                 continue  # the settled step may have asked to stop: decide again
-            if save_now and step < cfg.max_steps and stopped_by is None:  # the step before it was settled above
+            if save_now and step < cfg.max_steps and steps.stopped_by is None:  # the step before was settled above
                 save(step)
             if evaluate_now:
                 with stop.interruptible():
@@ -366,20 +392,20 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
                 best_val_loss = min(best_val_loss, val_loss)
                 if world.is_main:
                     logger.log_val(step, val_loss, cfg.attn)
-                    bar.write(f"step {step}: val loss {val_loss:.4f}")
+                    steps.bar.write(f"step {step}: val loss {val_loss:.4f}")
             if sample_now:
                 with stop.interruptible():
                     text = sample_text(raw_model, prompt, cfg, step, autocast, device)
                 if world.is_main:
                     logger.log_sample(step, text)
-                    bar.write(f"step {step} sample:\n{text}")
+                    steps.bar.write(f"step {step} sample:\n{text}")
             if last:
                 break
 
             launched = (step, optimizer_step(lr_at(step, cfg), stop.signum is not None), time.perf_counter())
             step += 1
             if in_flight:
-                settle(in_flight)
+                steps.settle(in_flight)
             in_flight = launched
     except Stopped:
         # a step cut short goes back to where it started: a resume reads its batches and draws its dropout again.
@@ -387,18 +413,18 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
         train_loader.load_state_dict(rewind[0])
         set_rng_state(rewind[1])
         if in_flight:
-            settle(in_flight)
-        stopped_by = stop.name
+            steps.settle(in_flight)
+        steps.stopped_by = stop.name
 
     if cfg.final_checkpoint:
         save(step)
-    bar.close()
+    steps.bar.close()
     if world.is_main:
         logger.close()
-        status = f"stopped by {stopped_by}" if stopped_by else "done"
+        status = f"stopped by {steps.stopped_by}" if steps.stopped_by else "done"
         best = f"best val loss {best_val_loss:.4f}; " if best_val_loss < math.inf else ""
-        skips = f"{skipped} step(s) skipped for non-finite values; " if skipped else ""
-        resume_hint = "; continue with --resume" if stopped_by else ""
+        skips = f"{steps.skipped} step(s) skipped for non-finite values; " if steps.skipped else ""
+        resume_hint = "; continue with --resume" if steps.stopped_by else ""
         if not cfg.final_checkpoint:
             saved, resume_hint = "no final checkpoint (final_checkpoint=false)", ""
         else:
