@@ -228,11 +228,11 @@ class SettledSteps:
     (stopped_by, None until one comes)."""
 
     def __init__(self, cfg: TrainConfig, world: World, device: torch.device, logger: RunLogger | None,
-                 start_step: int, skipped: int, mfu_per_token: float | None, stop: StopSignal,
-                 checkpoints: Checkpoints):
+                 start_step: int, skipped: int, tokens_per_step: int, mfu_per_token: float | None,
+                 stop: StopSignal, checkpoints: Checkpoints):
         self.cfg, self.world, self.device, self.logger, self.start_step = cfg, world, device, logger, start_step
-        self.mfu_per_token, self.stop, self.checkpoints = mfu_per_token, stop, checkpoints
-        self.tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size) * world.size
+        self.tokens_per_step, self.mfu_per_token = tokens_per_step, mfu_per_token
+        self.stop, self.checkpoints = stop, checkpoints
         # disable=None: a bar on a terminal; in a log file its redraws would bury the step lines
         self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True,
                         dynamic_ncols=True)
@@ -345,7 +345,7 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
     skipped = checkpoint.get("skipped_steps", 0) if checkpoint else 0  # steps without an update, in all
     del checkpoint  # its CPU copy of the weights and optimizer state is no longer needed
 
-    steps = SettledSteps(cfg, world, device, logger, start_step, skipped,
+    steps = SettledSteps(cfg, world, device, logger, start_step, skipped, tokens_per_step,
                          flops_per_token / (peak * world.size) if peak else None, stop, checkpoints)
 
     def save(step: int) -> None:

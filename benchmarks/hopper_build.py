@@ -123,10 +123,11 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
 
 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = ()):
-    """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward
-    passes; tile: (STAGES, DKDV_STAGED); documents and terms as `build` takes them (sinks change nothing here). With spans alone (MoBA's, §11) the problem is a
-    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there. KV_SPLIT
-    is 1 (as a launch specializes it) unless the grid of grouped heads is small (§13)."""
+    """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward passes; tile:
+    (STAGES, DKDV_STAGED); documents and terms as `build` takes them (sinks change nothing here). With spans alone
+    (MoBA's, §11) the problem is a gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ
+    added by atomics there. KV_SPLIT is 1 (as a launch specializes it) unless the grid of grouped heads is small
+    (§13)."""
     stages, staged = tile
     kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{shapes.QUERY_BLOCK.value}],{gluon_backward.ROW_LAYOUT.value}>"
