@@ -131,7 +131,7 @@ def add_sink_rows(dst, SINK_ROWS, bh, start_m, rows_m, Tq):
     the sum of P dP over the row's keys then, whatever Delta's rounding (attn_bwd_prepare)."""
     part = gl.sum(dst, axis=0)  # (M,) over the warpgroup's keys
     rows = start_m + rows_m
-    gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, part, mask=rows < Tq)
+    gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, part, mask=rows < Tq, sem="relaxed")  # no fences
 
 @gluon.jit
 def share_ds(dst, ds_smem, ds_ready, ds_empty, t, WG: gl.constexpr):
