@@ -167,6 +167,7 @@ def report(kernel) -> tuple[dict, str]:
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
                 bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
                 vector_atomic_adds=sass.count("REDG.E.ADD.F32x4"), row_copies=sass.count("LDGSTS.E.BYPASS.128"),
+                gpu_fences=sass.count("MEMBAR.ALL.GPU"),  # an atomic that orders memory (not sem="relaxed") adds one
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass
