@@ -83,9 +83,9 @@ TERMS = ("softcap", "alibi", "sinks")
 
 def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, dict]:
     """-> (signature, constants) of the kernels' §15 arguments: softcap (fp32), SLOPES with its two strides, and the
-    forward's SINK_LOGITS with its stride, for the terms named (of TERMS); None (constants) for the others, which is
-    how a call without them builds (dispatch passes None for a term it does not have). The strides are not marked
-    16-divisible: slopes are (H,) or (B, H)."""
+    forward's SINK_LOGITS with its stride or the backward's SINK_ROWS, for the terms named (of TERMS); None
+    (constants) for the others, which is how a call without them builds (dispatch passes None for a term it does not
+    have). The strides are not marked 16-divisible: slopes are (H,) or (B, H)."""
     unknown = set(terms) - set(TERMS)
     if unknown:
         raise SystemExit(f"--terms: {sorted(unknown)} not among {TERMS}")
@@ -96,9 +96,9 @@ def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, di
         constants["softcap"] = None
     alibi = dict(SLOPES="*fp32", stride_slopes_b="i32", stride_slopes_h="i32")
     (signature if "alibi" in terms else constants).update(alibi if "alibi" in terms else dict.fromkeys(alibi))
-    if not backward:  # the backward reads the sink's share in lse (terms.sink_grad takes its gradient)
-        sinks = dict(SINK_LOGITS="*fp32", stride_sinks="i32")
-        (signature if "sinks" in terms else constants).update(sinks if "sinks" in terms else dict.fromkeys(sinks))
+    # the backward reads the sink's share in lse, and adds each row's sum of P dP into SINK_ROWS (terms.sink_grad)
+    sinks = dict(SINK_ROWS="*fp32") if backward else dict(SINK_LOGITS="*fp32", stride_sinks="i32")
+    (signature if "sinks" in terms else constants).update(sinks if "sinks" in terms else dict.fromkeys(sinks))
     return signature, constants
 
 
@@ -124,10 +124,9 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
 
 def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = ()):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward passes; tile:
-    (STAGES, DKDV_STAGED); documents and terms as `build` takes them (sinks change nothing here). With spans alone
-    (MoBA's, §11) the problem is a gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ
-    added by atomics there. KV_SPLIT is 1 (as a launch specializes it) unless the grid of grouped heads is small
-    (§13)."""
+    (STAGES, DKDV_STAGED); documents and terms as `build` takes them. With spans alone (MoBA's, §11) the problem is a
+    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there. KV_SPLIT
+    is 1 (as a launch specializes it) unless the grid of grouped heads is small (§13)."""
     stages, staged = tile
     kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{shapes.QUERY_BLOCK.value}],{gluon_backward.ROW_LAYOUT.value}>"
@@ -168,6 +167,7 @@ def report(kernel) -> tuple[dict, str]:
                 spill_stores=sass.count("STL"), hgmma=sass.count("HGMMA"), bar_sync=sass.count("BAR.SYNC"),
                 bulk_reductions=ptx.count("cp.reduce.async.bulk.tensor"),
                 vector_atomic_adds=sass.count("REDG.E.ADD.F32x4"), row_copies=sass.count("LDGSTS.E.BYPASS.128"),
+                gpu_fences=sass.count("MEMBAR.ALL.GPU"),  # an atomic that orders memory (not sem="relaxed") adds one
                 tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)),
                 setmaxnreg="setmaxnreg" in ptx, tma_4d="cp.async.bulk.tensor.4d" in ptx,
                 shared_bytes=kernel.metadata.shared), sass
@@ -204,11 +204,11 @@ def main(argv=None):
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in listed}))
         named = tuple(term for term in args.terms.split(",") if term)
-        # each term alone, then all of them together; a backward has no sinks' build (it is the plain one)
+        # each term alone, then all of them together; a backward with softcap has no sinks (dispatch._backward_plan)
         term_sets = [(term,) for term in named] + ([named] if len(named) > 1 else []) if named else [()]
-        if args.backward and named:
-            term_sets = [terms for terms in dict.fromkeys(tuple(t for t in terms if t != "sinks") for terms in term_sets)
-                         if terms] or [()]
+        if args.backward:
+            term_sets = list(dict.fromkeys(tuple(t for t in terms if t != "sinks" or "softcap" not in terms)
+                                           for terms in term_sets))
         for tile in tiles:
             for terms in term_sets:
                 kernel = (build_backward(head_dim, tile, args.documents, terms) if args.backward

@@ -211,12 +211,14 @@ def assert_terms_match_fp64(q, k, v, causal=True, scale=None, backend="triton", 
 
 
 def terms_for(case: str, B: int, Hq: int, device="cpu") -> dict:
-    """attention()'s keywords for a TERM_CASES name and these batch and head counts."""
+    """attention()'s keywords for a TERM_CASES name (or "alibi and sinks", the Hopper backward's sinks) and these
+    batch and head counts."""
     torch.manual_seed(10)
     slopes = slopes_for(B, Hq, per_batch=True)
     terms = {"softcap": dict(softcap=2.5), "alibi": dict(alibi_slopes=slopes[0]),
              "alibi per batch": dict(alibi_slopes=slopes), "sinks": dict(sinks=torch.randn(Hq)),
-             "all": dict(softcap=3.0, alibi_slopes=slopes, sinks=torch.randn(Hq) + 2)}[case]
+             "all": dict(softcap=3.0, alibi_slopes=slopes, sinks=torch.randn(Hq) + 2),
+             "alibi and sinks": dict(alibi_slopes=slopes, sinks=torch.randn(Hq) + 2)}[case]
     return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in terms.items()}
 
 
@@ -358,8 +360,8 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
         return Launched(None, lambda *call: None)
 
     def fake_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None, gathered=None,
-                      term_args=(None,) * 4):
-        taken.append(("bwd", term_args))
+                      term_args=(None,) * 4, sink_rows=None, sinks=None):
+        taken.append(("bwd", term_args + (sink_rows, sinks)))
         raise HopperRan
 
     monkeypatch.setattr(hopper_forward, "INTERPRET", False)  # as compiled on an sm_90 GPU
@@ -371,18 +373,23 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
     q, k, v = (t.requires_grad_() for t in qkv(B=2, Hq=4, Hkv=2, Tq=40, Tk=40, D=64, dtype=torch.float16))
     slopes, sinks = slopes_for(2, 4, per_batch=True), torch.randn(4, requires_grad=True)
     for terms in (dict(softcap=2.5), dict(alibi_slopes=slopes), dict(sinks=sinks),
-                  dict(softcap=3.0, alibi_slopes=slopes[0], sinks=sinks)):
+                  dict(alibi_slopes=slopes, sinks=sinks), dict(softcap=3.0, alibi_slopes=slopes[0], sinks=sinks)):
         taken.clear()
         out = attention(q, k, v, True, backend="triton", **terms)
         do = torch.randn_like(out)  # (a sum's gradient, stride 0, is not one the copy engine reads)
-        if "sinks" in terms:  # the forward folds them in; their gradient keeps the backward on the `tl` kernels
+        if "sinks" in terms and "softcap" in terms:  # the sinks' gradient with softcap: the `tl` backward
             out.backward(do)
             assert [kind for kind, _ in taken] == ["fwd"]
-            assert torch.equal(taken[0][1][4], sinks) and taken[0][1][5] == 1
         else:
             with pytest.raises(HopperRan):
                 out.backward(do)
             assert [kind for kind, _ in taken] == ["fwd", "bwd"]
+            sink_rows, given_sinks = taken[1][1][4:]  # the rows the backward adds into, shaped as lse, and the sinks
+            assert (given_sinks is sinks and sink_rows.shape == (2, 4, 40)) if "sinks" in terms else (
+                sink_rows is None and given_sinks is None)
+        if "sinks" in terms:  # the forward folds them in
+            assert torch.equal(taken[0][1][4], sinks) and taken[0][1][5] == 1
+        else:
             assert taken[0][1][4:] == (None, None)
         for _, args in taken:
             assert args[0] == (terms.get("softcap") or None)
@@ -533,18 +540,19 @@ def spy_on_hopper_kernels(monkeypatch) -> list:
 ])
 def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk):
     # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: each term through both of them (§15), against
-    # float64; with sinks the forward only (their gradient needs the `tl` dQ kernel's sums of P * dP)
+    # float64; with sinks and softcap together the forward only (dispatch._backward_plan)
     from attention.flash import dispatch
 
     taken = spy_on_hopper_kernels(monkeypatch)
     monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
     torch.manual_seed(24)
     q, k, v = qkv(2, 8, 2, Tq, Tk, D, dtype, device="cuda")
-    for case in TERM_CASES:
+    for case in [*TERM_CASES, "alibi and sinks"]:
         taken.clear()
         terms = terms_for(case, 2, 8, "cuda")
         assert_terms_match_fp64(q, k, v, causal, **terms)
-        assert [kind for kind, *_ in taken] == ["fwd"] + (["bwd"] if "sinks" not in terms else []), (case, taken)
+        backward = ["bwd"] if "sinks" not in terms or "softcap" not in terms else []
+        assert [kind for kind, *_ in taken] == ["fwd"] + backward, (case, taken)
         for _, args, _ in taken:
             assert (args[0] is not None) == ("softcap" in terms)
             assert (args[1] is not None) == ("alibi_slopes" in terms)
@@ -569,8 +577,11 @@ def test_gpu_terms_with_documents_take_the_hopper_kernels(monkeypatch, dtype, D)
     q, k, v = qkv(2, 8, 2, 999, 999, D, dtype, device="cuda")
     ids = packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()
     assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("all", 2, 8, "cuda"))
-    # "all" has sinks: the backward on the `tl` kernels
+    # "all" has sinks and softcap: the backward on the `tl` kernels
     assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True)], taken
+    taken.clear()
+    assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("alibi and sinks", 2, 8, "cuda"))
+    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
     taken.clear()
     assert_terms_match_fp64(q, k, v, True, document_ids=ids, softcap=20.0, alibi_slopes=slopes_for(2, 8).cuda())
     assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken

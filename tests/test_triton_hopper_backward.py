@@ -75,7 +75,8 @@ def test_builds_for_hopper_with_bulk_reductions_and_few_spills(head_dim):
 def test_pre_and_post_pass():
     # the `tl` kernels around the Gluon one: Delta, lse in the kernel's units (lse_unit: 1 / scale where S^T starts
     # from -lse / scale, log2(e) where it is subtracted from the scaled scores in base 2) and a zeroed dQ buffer,
-    # padded to whole tiles with 0 and +inf; then dq = scale * buffer in dq's dtype and strides
+    # padded to whole tiles with 0 and +inf, and the sinks' (B*H, Tq) rows started at Delta (1 - P_sink) (§15); then
+    # dq = scale * buffer in dq's dtype and strides
     torch.manual_seed(0)
     B, H, Tq, D, rows, scale, lse_unit = 2, 3, 40, 64, 32, 0.125, 8.0
     Tq_pad = 64
@@ -83,10 +84,15 @@ def test_pre_and_post_pass():
     lse = torch.randn(B, H, Tq)
     lse_row, delta = (torch.full((B * H, Tq_pad), float("nan")) for _ in range(2))
     dq_acc = torch.full((B * H, Tq_pad, D), float("nan"))
+    sink_rows, sinks = torch.full((B * H * Tq + 1,), float("nan")), torch.randn(H)  # one past the last row: not written
     grid = (Tq_pad // rows, B * H)
-    hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, *o.stride()[:3],
+    hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, sink_rows, sinks, *o.stride()[:3],
                                                    *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
-    expected = (o.float() * do.float()).sum(-1).reshape(B * H, Tq)
+    expected = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
+    p_sink = torch.exp(sinks[:, None] - lse)
+    torch.testing.assert_close(sink_rows[:-1], (expected * (1 - p_sink)).flatten(), atol=1e-4, rtol=1e-5)
+    assert sink_rows[-1].isnan()
+    expected = expected.reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse_row[:, :Tq], lse.reshape(B * H, Tq) * lse_unit)
     assert (delta[:, Tq:] == 0).all() and (lse_row[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
@@ -95,8 +101,8 @@ def test_pre_and_post_pass():
     # head's rows end at Tq, and the next head's are not written over
     lse_row, delta = (torch.full((B * H * Tq + 1,), float("nan")) for _ in range(2))
     hopper_backward.attn_bwd_prepare[(-(-Tq // rows), B * H)](
-        o, do, lse, lse_row, delta, None, *o.stride()[:3], *do.stride()[:3], H, Tq, Tq, lse_unit, HEAD_DIM=D,
-        ROWS=rows)
+        o, do, lse, lse_row, delta, None, None, None, *o.stride()[:3], *do.stride()[:3], H, Tq, Tq, lse_unit,
+        HEAD_DIM=D, ROWS=rows)
     torch.testing.assert_close(delta[:-1], expected.flatten(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse_row[:-1], lse.flatten() * lse_unit)
     assert delta[-1].isnan() and lse_row[-1].isnan()

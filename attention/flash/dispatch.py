@@ -313,7 +313,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     seqs = _cu_seqlens(varlen)
     # §15 with sinks the dQ kernel writes each row's sum of P * dP here, for their gradient (sink_grad)
     sink_rows = None if terms.sinks is None else torch.empty_like(lse)
-    values = term_values(terms, False) + (() if sink_rows is None else (sink_rows,))
+    values = term_values(terms, False) + (() if sink_rows is None else (sink_rows, terms.sinks))
     if forward_key is not None:
         key = ("bwd", forward_key, grads is not None, torch.are_deterministic_algorithms_enabled(), do.shape,
                do.stride(), do.dtype, do.data_ptr() % 16 == 0)
@@ -330,24 +330,26 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
 def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
                    varlen: Varlen | None, terms: Terms, sink_rows: torch.Tensor | None = None) -> Callable:
     """The backward's whole path: launch it; -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values,
-    *sink rows, *cu_seqlens). sink_rows: where the dQ kernel writes the sinks' rows (§15), with sinks."""
+    *(sink rows, sinks), *cu_seqlens). sink_rows: where the kernels write the sinks' rows (§15), with sinks."""
     _, Tq, Tk = _sizes(q, k, varlen)
     D = q.shape[-1]
     # §13 on Hopper the warp-specialized backward (five matmuls, dQ added up in L2) competes with the two `tl`
     # kernels below; not where determinism was asked for (torch.use_deterministic_algorithms): its dQ's last bits
     # depend on the order the adds land in. It takes dense calls and §14 documents (varlen ones as one batch entry)
-    # §15 not with sinks: their gradient sums P * dP per row from exact products, which only the `tl` dQ kernel does
-    # (the Hopper kernel's Delta, rowsum(dO * O), carries O's rounding into a sum over every row of a head)
+    # §15 sinks not with softcap: their gradient sums P * dP per row from exact products (the kernel's add_sink_rows),
+    # and with softcap the kernel's P^T takes softcap's factor before dP^T is in
     documents = _hopper_documents(mask, varlen)
     call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
-    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents) and terms.sinks is None
+    sinks_fit = terms.sinks is None or not terms.softcap  # (above)
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents) and sinks_fit
             and not torch.are_deterministic_algorithms_enabled()
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
-        # §15 softcap and ALiBi compiled in where the call has them
-        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, False)[:4])
-        values = term_values(terms, False)
+        # §15 softcap, ALiBi and the sinks' rows compiled in where the call has them
+        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, False)[:4], sink_rows=sink_rows,
+                                                  sinks=terms.sinks)
+        values = term_values(terms, False) + (() if sink_rows is None else (sink_rows, terms.sinks))
 
         def hopper(tile):
             """-> its Launched: a dense call's again is its plan; with documents (no plan kept, _plan_key) this call"""
@@ -373,11 +375,11 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
                  varlen: Varlen | None, terms: Terms = NO_TERMS, sink_rows: torch.Tensor | None = None) -> Callable:
     """The `tl` backward into dq, dk, dv: the dQ kernel (which also writes Delta, and with sinks their rows into
     sink_rows, §15), then the dK/dV kernel. -> its plan, again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values,
-    *sink rows, *cu_seqlens)."""
+    *(sink rows, sinks), *cu_seqlens)."""
     B, Tq, Tk = _sizes(q, k, varlen)
     Hq, Hkv = q.shape[1], k.shape[1]
     n_values = len(term_values(terms, False))
-    n_rows = int(terms.sinks is not None)  # the sinks' rows (backward)
+    n_rows = 2 if terms.sinks is not None else 0  # the sinks' rows and the sinks (the Hopper backward's; not read)
 
     def args(do, q, k, v, o, lse, dq, dk, dv, delta, scale, *rest):
         """-> the dQ kernel's arguments and the dK/dV kernel's, up to the constexprs"""
@@ -395,7 +397,7 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
                  *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call), *kernel_terms))
     # Delta (shaped as lse) after the gradients: the plan allocates it anew with every call
     call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *term_values(terms, False),
-            *([sink_rows] if n_rows else []), *_cu_seqlens(varlen))
+            *([sink_rows, terms.sinks] if n_rows else []), *_cu_seqlens(varlen))
     dq_args, dkdv_args = args(*call)
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready

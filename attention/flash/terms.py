@@ -48,7 +48,7 @@ def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
 def hopper_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
     """What the Hopper kernels (§12, §13) compute of a dense call's terms: softcap, ALiBi and sinks (§15), compiled
     in where a call has them; not dropout (§16) or a value head dim of its own, which only the `tl` kernels
-    compute. (With sinks the backward stays on the `tl` kernels: dispatch._backward_plan.)"""
+    compute. (With sinks and softcap together the backward stays on the `tl` kernels: dispatch._backward_plan.)"""
     return not terms.dropout_p and v.shape[-1] == q.shape[-1]
 
 

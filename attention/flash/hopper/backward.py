@@ -30,13 +30,16 @@ if HAS_GLUON:
 
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
-def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, stride_ot, stride_dob, stride_doh,
-                      stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, SINK_ROWS, SINK_LOGITS, stride_ob, stride_oh, stride_ot,
+                      stride_dob, stride_doh, stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr,
+                      ROWS: tl.constexpr):
     """Per query row, into (B*H, Tq_pad) buffers, padded to whole tiles for the kernel's TMA loads (or not, Tq_pad ==
     Tq, for a gathered problem's copies): Delta = rowsum(dO * O) (§5) and lse * lse_unit, the lse in the units the
     kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs
     no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the
-    caller gives the buffer (DQ_ACC None)."""
+    caller gives the buffer (DQ_ACC None). With sinks (SINK_LOGITS (H,)), their (B*H, Tq) rows start at
+    Delta (1 - P_sink), P_sink = exp(sink - lse), to which the kernel adds the row's sum of dS = P (dP - Delta): the
+    row's sum of P dP (§15, terms.sink_grad), with this Delta's rounding cancelled (the sum of P is 1 - P_sink)."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
@@ -55,6 +58,9 @@ def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, stride_ob, stride_oh, s
     if DQ_ACC is not None:
         tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
                  mask=padded[:, None])
+    if SINK_ROWS is not None:
+        p_sink = tl.exp(tl.load(SINK_LOGITS + h).to(tl.float32) - lse)
+        tl.store(SINK_ROWS + bh.to(tl.int64) * Tq + rows, delta * (1.0 - p_sink), mask=real)
 
 
 @triton.jit
@@ -145,7 +151,8 @@ def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float)
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4) -> Launched:
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4,
+             sink_rows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as forward takes
     them, the spans here per key (§14). gathered: (row_src, dq_acc) for a gathered problem as forward takes row_src
@@ -153,10 +160,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller reads (finish_dq); dq is None, k and v the
     problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their gradients as one flat sequence. term_args:
     §15's (softcap, slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call
-    does not have (no sinks: their gradient needs the `tl` dQ kernel's row sums, §15). -> Launched: the compiled main
-    kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three launches
-    for tensors shaped, strided and aligned like these (None for a gathered problem); the term values are
-    forward.term_values(term_args)'s."""
+    does not have. sink_rows: with sinks (Hq,) (not with softcap, and not gathered), float32 (B, Hq, Tq) that gets
+    each query row's sum of P dP, for their gradient (§15, terms.sink_grad). -> Launched: the compiled main kernel and
+    again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three launches for tensors
+    shaped, strided and aligned like these (None for a gathered problem); the term values are
+    forward.term_values(term_args)'s, then sink_rows and sinks where the call has them."""
     B, Hq, T, D = q.shape
     row_src, given_dq_acc = gathered or (None, None)
     Hkv, Tk, key_sizes = key_problem(k, row_src is not None, KEY_BLOCK.value)
@@ -186,7 +194,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         return 1 / scale if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
     unit = lse_unit(scale)
-    prepare_args = (o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, unit)
+    prepare_args = (o, do, lse, lse_row, delta_row, dq_acc, sink_rows, sinks, *sizes_prepare, unit)
     first_prepare = launch(attn_bwd_prepare, rows_grid, prepare_args, HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (descriptor(t, KEY_BLOCK.value, swizzle=D) for t in (k, v))
@@ -215,7 +223,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv * split, group // split, B_rows * Hkv * split, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (programs * split,)
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
-                 *document_args(documents), *term_args, *key_sizes, split)
+                 *document_args(documents), *term_args, sink_rows, *key_sizes, split)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
                         maxnreg=BACKWARD_LAUNCH_REGS)
     if row_src is not None:  # the caller reads its buffer
@@ -226,7 +234,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     if split > 1:
         first_sum, sum_args = sum_key_parts(dk_part, dv_part, dk, dv, split)
         launches.append((first_sum, sum_args))
-    values = term_values(term_args)
+    n_terms, with_sinks = len(term_values(term_args)), sinks is not None  # (again must not keep the sinks alive)
+    values = term_values(term_args) + ((sink_rows, sinks) if with_sinks else ())
     # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
     # launch.BoundLaunch), so again keeps no tensor of this call
     first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, dk_part, dv_part, unit, *values,
@@ -235,11 +244,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
             lse_row, delta_row, dq_acc, dk_part, dv_part = buffers()
-            first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, *sizes_prepare, lse_unit(scale))
+            terms_now, (sink_rows_now, sinks_now) = values_now[:n_terms], values_now[n_terms:] or (None, None)
+            first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, sink_rows_now, sinks_now, *sizes_prepare,
+                                lse_unit(scale))
             dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)
             first_main.again(k, v, q, do, lse_row, delta_row, dk_out, dv_out, *grad_strides, dq_acc, *sources,
-                             *sizes_main, scale, *document_args(documents), *with_term_values(term_args, values_now),
-                             *key_sizes, split)
+                             *sizes_main, scale, *document_args(documents), *with_term_values(term_args, terms_now),
+                             sink_rows_now, *key_sizes, split)
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
             if first_sum is not None:
                 first_sum.again(dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)

@@ -56,8 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..tl_tiles import LOG2E
 from .gluon_common import copy_load, document_span, gather_rows, key_block, row_sources, score_terms, tma_load
 from .gluon_dq import add_dq_cols, dq_cols, dq_targets
-from .gluon_query_tile import (document_rows, issue_dq, issue_dv_wait_dp, issue_scores, masked_scores, probabilities,
-                               query_slope, query_tile, share_ds, store_key_gradients)
+from .gluon_query_tile import (add_sink_rows, document_rows, issue_dq, issue_dv_wait_dp, issue_scores, masked_scores,
+                               probabilities, query_slope, query_tile, share_ds, store_key_gradients)
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
 
 # lse and Delta tiles: 64 float32 of a (B*Hq*Tq_pad,) buffer, loaded as they are (no swizzle)
@@ -161,11 +161,11 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
                    heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES,
-                   stride_slopes_b, stride_slopes_h, ROWS_FIRST: gl.constexpr):
+                   stride_slopes_b, stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
     of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
     row values (row_values_first). §15 softcap, SLOPES (with its strides): FlashAttention's terms, None where the
-    call has none (attn_bwd_ws)."""
+    call has none; SINK_ROWS: the sinks' rows, or None (attn_bwd_ws)."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -200,7 +200,8 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # §15 softcap and ALiBi, each compiled in only where the call has it: the scores recomputed as the forward made
     # them (score_terms) before the mask, and with softcap dS times 1 - tanh^2. Softcap needs S^T itself, so its S^T
     # starts from zero even with ROWS_FIRST, and lse is subtracted after the cap (ALiBi's bias adds, so it does not
-    # mind). The sinks need nothing here: the lse the forward stored holds the sink's share, so P does too
+    # mind). The sinks need nothing more for dS: the lse the forward stored holds the sink's share, so P does too;
+    # their own gradient takes each row's sum of P dP (add_sink_rows), not with softcap (whose dS^T has its factor)
     SOFTCAP: gl.constexpr = softcap is not None
     TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
     # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s:
@@ -239,7 +240,10 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         pt = probabilities(st, lse_row, lse_smem.index(slot), qk_scale, SOFTCAP, LATE_DP, ROWS_FIRST)
         dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot), SOFTCAP,
                                              LATE_DP, ROWS_FIRST)
-        dst = (pt * dpt).to(q_smem.dtype)  # §5 dS^T
+        dst = pt * dpt  # §5 dS^T
+        if SINK_ROWS is not None:  # §15
+            add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, rows_m, Tq)
+        dst = dst.to(q_smem.dtype)
         dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 
         # dQ: both halves of dS^T in shared memory, then this warpgroup's part of dQ (k_dq above) of query tile
@@ -284,31 +288,31 @@ def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, ROWS_FIRST)
+                   stride_slopes_h, SINK_ROWS, ROWS_FIRST)
 
 @gluon.jit
 def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, ROWS_FIRST)
+                   stride_slopes_h, SINK_ROWS, ROWS_FIRST)
 
 @gluon.jit
 def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
-                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, KEY_HEADS, KEY_T,
-                 KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS, KEY_HEADS,
+                 KEY_T, KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
@@ -320,7 +324,8 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     KV_SPLIT: how many programs share a key tile of a kv head, each with GROUP of its query heads and DK, DV its own
     (B, H_kv, Tk, D) partial gradients, H_kv counting split heads (§13 "A small grid of grouped heads"); 1 otherwise.
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
-    each None (a constant: the build is the one without it) where the call has none (_key_gradients)."""
+    each None (a constant: the build is the one without it) where the call has none (_key_gradients). SINK_ROWS: with
+    sinks (not with softcap or ROW_SRC) the float32 (B*Hq, Tq) rows each query row's sum of P dP is added into."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
     dtype: gl.constexpr = k_desc.dtype
@@ -365,7 +370,7 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, ROWS_FIRST)
+                     stride_slopes_h, SINK_ROWS, ROWS_FIRST)
     gl.warp_specialize([
         (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
         (_key_gradients_1, consumer_args),

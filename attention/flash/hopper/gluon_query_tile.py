@@ -1,6 +1,7 @@
 """A consumer warpgroup's query tile in the Hopper backward (gluon_backward._key_gradients, §13), phase by phase:
 the rows its keys' documents hold (§14), the tile's ALiBi slope (§15), S^T and dP^T issued, the scores as the
-forward made them and masked (§6, §15), P^T (§8), its half of dS^T shared for dQ, and at the end dK and dV stored.
+forward made them and masked (§6, §15), P^T (§8), the sinks' rows (§15), its half of dS^T shared for dQ, and at the
+end dK and dV stored.
 Gluon inlines each of these where it is called: split into them, the sm_90 builds compile to the same SASS
 (docs/perf_notes.md section 12).
 
@@ -122,6 +123,15 @@ def issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem, SOFTC
             delta = delta_smem.load(row_layout)  # (M,)
             dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
     return dv_token, pt, dpt
+
+@gluon.jit
+def add_sink_rows(dst, SINK_ROWS, bh, start_m, rows_m, Tq):
+    """§15 the sinks' rows: this tile's part of each query row's sum over keys of dS = P (dP - Delta), from dS^T
+    (KEYS, M) in float32, added into SINK_ROWS (the rows of (B*Hq, Tq)), where the pre-pass put Delta (1 - P_sink):
+    the sum of P dP over the row's keys then, whatever Delta's rounding (attn_bwd_prepare)."""
+    part = gl.sum(dst, axis=0)  # (M,) over the warpgroup's keys
+    rows = start_m + rows_m
+    gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, part, mask=rows < Tq, sem="relaxed")  # no fences
 
 @gluon.jit
 def share_ds(dst, ds_smem, ds_ready, ds_empty, t, WG: gl.constexpr):
