@@ -9,8 +9,10 @@ change in a new Triton, or a change that makes a kernel spill, fails there.
     python -m benchmarks.hopper_build --head_dim 64 --tile 128,3,2 --sass out.sass
     python -m benchmarks.hopper_build --backward                    # the backward, every tile
     python -m benchmarks.hopper_build --terms softcap,alibi,sinks   # with FlashAttention's terms (§15), each alone
+    python -m benchmarks.hopper_build --terms alibi --causal        # ALiBi's causal build (its bias folded, §15)
 
-The causal mask and the grid (persistent or not) are arguments of the launch, not of the build.
+The causal mask and the grid (persistent or not) are arguments of the launch, not of the build, except for ALiBi:
+under the causal mask its bias is folded (§15), a build of its own (--causal).
 
 One JSON line per build. Runs compiled (not under TRITON_INTERPRET): Triton decides when it is imported.
 """
@@ -102,9 +104,11 @@ def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, di
     return signature, constants
 
 
-def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None = None, terms: tuple[str, ...] = ()):
+def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None = None, terms: tuple[str, ...] = (),
+          causal: bool = False):
     """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode
-    ("documents") or spans alone ("spans", §11), or None; terms: §15's to build in (of TERMS)."""
+    ("documents") or spans alone ("spans", §11), or None; terms: §15's to build in (of TERMS); causal: with ALiBi, the
+    causal call's build (ALIBI_CAUSAL: the bias folded), which other builds do not depend on."""
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = shapes.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
@@ -118,15 +122,16 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
     term_signature, term_constants = _term_args(terms)
     return _compile(gluon_forward.attn_fwd_ws, {**signature, **term_signature, **KEY_SIZES},
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                         CONSUMER_REGS=consumer_regs, **doc_constants, **gathered_constants, **term_constants),
-                    launch_regs)
+                         CONSUMER_REGS=consumer_regs, ALIBI_CAUSAL=causal and "alibi" in terms, **doc_constants,
+                         **gathered_constants, **term_constants), launch_regs)
 
 
-def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = ()):
+def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None = None, terms: tuple[str, ...] = (),
+                   causal: bool = False):
     """The backward's main kernel for bf16 inputs, with the descriptor layouts hopper_backward.backward passes; tile:
-    (STAGES, DKDV_STAGED); documents and terms as `build` takes them. With spans alone (MoBA's, §11) the problem is a
-    gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics there. KV_SPLIT
-    is 1 (as a launch specializes it) unless the grid of grouped heads is small (§13)."""
+    (STAGES, DKDV_STAGED); documents, terms and causal as `build` takes them. With spans alone (MoBA's, §11) the
+    problem is a gathered one, as moba_hopper.backward runs it: rows copied from their sources, dQ added by atomics
+    there. KV_SPLIT is 1 (as a launch specializes it) unless the grid of grouped heads is small (§13)."""
     stages, staged = tile
     kv = _descriptor_type(shapes.KEY_BLOCK.value, head_dim, swizzle=head_dim)
     rows = f"tensordesc<fp32[{shapes.QUERY_BLOCK.value}],{gluon_backward.ROW_LAYOUT.value}>"
@@ -148,8 +153,9 @@ def build_backward(head_dim: int, tile: tuple[int, bool], documents: str | None 
     doc_signature, doc_constants = _document_args(documents)
     term_signature, term_constants = _term_args(terms, backward=True)
     return _compile(gluon_backward.attn_bwd_ws, {**signature, **doc_signature, **term_signature, **KEY_SIZES},
-                    dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim), **gathered_constants,
-                         **doc_constants, **term_constants, KV_SPLIT=1), shapes.BACKWARD_LAUNCH_REGS)
+                    dict(STAGES=stages, ROWS_FIRST=hopper_backward.row_values_first(head_dim),
+                         ALIBI_CAUSAL=causal and "alibi" in terms, **gathered_constants, **doc_constants,
+                         **term_constants, KV_SPLIT=1), shapes.BACKWARD_LAUNCH_REGS)
 
 
 def report(kernel) -> tuple[dict, str]:
@@ -191,6 +197,8 @@ def main(argv=None):
                    help="spans without ids, as MoBA runs the kernels (§11)")
     p.add_argument("--terms", default="", help="§15's terms to build in, comma-separated, of " + ",".join(TERMS)
                    + "; with several, each alone and then all together")
+    p.add_argument("--causal", action="store_true",
+                   help="ALiBi's build for causal calls, its bias folded (§15); other builds are the same either way")
     p.add_argument("--sass", default=None, help="write the (last) build's SASS here")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1" or not device.HAS_GLUON:
@@ -211,12 +219,13 @@ def main(argv=None):
                                            for terms in term_sets))
         for tile in tiles:
             for terms in term_sets:
-                kernel = (build_backward(head_dim, tile, args.documents, terms) if args.backward
-                          else build(head_dim, tile, args.documents, terms))
+                kernel = (build_backward(head_dim, tile, args.documents, terms, args.causal) if args.backward
+                          else build(head_dim, tile, args.documents, terms, args.causal))
                 figures, sass = report(kernel)
                 print(json.dumps(dict(triton=triton.__version__, kernel="backward" if args.backward else "forward",
                                       head_dim=head_dim, tile=tile, documents=args.documents,
-                                      **(dict(terms=list(terms)) if named else {}), **figures)), flush=True)
+                                      **(dict(terms=list(terms)) if named else {}),
+                                      **(dict(causal=True) if args.causal else {}), **figures)), flush=True)
                 if args.sass:
                     with open(args.sass, "w") as f:
                         f.write(sass)

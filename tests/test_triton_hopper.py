@@ -74,13 +74,16 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
 
 
 @needs_gluon
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel, tile", [("forward", "128,3,3,2"), ("backward", "3,1")])
-def test_builds_with_the_terms(kernel, tile):
+def test_builds_with_the_terms(kernel, tile, causal):
     # §15's terms compiled into the Hopper kernels (hopper_build --terms): each alone, then all together; the
-    # backward has none of sinks with softcap (the `tl` kernels take that). Catches a term's code that stops compiling
+    # backward has none of sinks with softcap (the `tl` kernels take that). Catches a term's code that stops compiling.
+    # causal: ALiBi's causal builds, its bias folded (ALIBI_CAUSAL)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", "64", "--tile", tile,
-                          "--terms", "softcap,alibi,sinks", *(["--backward"] if kernel == "backward" else [])],
+                          "--terms", "softcap,alibi,sinks", *(["--backward"] if kernel == "backward" else []),
+                          *(["--causal"] if causal else [])],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]

@@ -87,22 +87,36 @@ def test_pre_and_post_pass():
     sink_rows, sinks = torch.full((B * H * Tq + 1,), float("nan")), torch.randn(H)  # one past the last row: not written
     grid = (Tq_pad // rows, B * H)
     hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, sink_rows, sinks, *o.stride()[:3],
-                                                   *do.stride()[:3], H, Tq, Tq_pad, lse_unit, HEAD_DIM=D, ROWS=rows)
+                                                   *do.stride()[:3], H, Tq, Tq_pad, lse_unit, None, None, None,
+                                                   HEAD_DIM=D, ROWS=rows)
     expected = (o.float() * do.float()).sum(-1)  # (B, H, Tq)
     p_sink = torch.exp(sinks[:, None] - lse)
-    torch.testing.assert_close(sink_rows[:-1], (expected * (1 - p_sink)).flatten(), atol=1e-4, rtol=1e-5)
+    sink_expected = (expected * (1 - p_sink)).flatten()
+    torch.testing.assert_close(sink_rows[:-1], sink_expected, atol=1e-4, rtol=1e-5)
     assert sink_rows[-1].isnan()
     expected = expected.reshape(B * H, Tq)
     torch.testing.assert_close(delta[:, :Tq], expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse_row[:, :Tq], lse.reshape(B * H, Tq) * lse_unit)
     assert (delta[:, Tq:] == 0).all() and (lse_row[:, Tq:] == float("inf")).all() and (dq_acc == 0).all()
 
+    # §15 ALiBi folded under the causal mask: each row's lse also holds slope * (its place in its tile of `rows`)
+    # (with sinks too, whose rows take the row's own lse: P_sink is not folded)
+    slopes = torch.rand(B, H)
+    sink_rows.fill_(float("nan"))
+    hopper_backward.attn_bwd_prepare[grid](o, do, lse, lse_row, delta, dq_acc, sink_rows, sinks, *o.stride()[:3],
+                                                   *do.stride()[:3], H, Tq, Tq_pad, lse_unit, slopes,
+                                                   *slopes.stride(), HEAD_DIM=D, ROWS=rows)
+    folded = lse + slopes[:, :, None] * (torch.arange(Tq) % rows)
+    torch.testing.assert_close(lse_row[:, :Tq], folded.reshape(B * H, Tq) * lse_unit)
+    torch.testing.assert_close(sink_rows[:-1], sink_expected, atol=1e-4, rtol=1e-5)
+    assert (lse_row[:, Tq:] == float("inf")).all()
+
     # unpadded (Tq_pad == Tq: a gathered problem's rows, MoBA's, §11, are copied from these, not loaded by tiles): a
     # head's rows end at Tq, and the next head's are not written over
     lse_row, delta = (torch.full((B * H * Tq + 1,), float("nan")) for _ in range(2))
     hopper_backward.attn_bwd_prepare[(-(-Tq // rows), B * H)](
         o, do, lse, lse_row, delta, None, None, None, *o.stride()[:3], *do.stride()[:3], H, Tq, Tq, lse_unit,
-        HEAD_DIM=D, ROWS=rows)
+        None, None, None, HEAD_DIM=D, ROWS=rows)
     torch.testing.assert_close(delta[:-1], expected.flatten(), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(lse_row[:-1], lse.flatten() * lse_unit)
     assert delta[-1].isnan() and lse_row[-1].isnan()

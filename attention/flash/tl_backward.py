@@ -10,9 +10,10 @@ bit-identical from run to run. dq_tile and dkdv_tile serve MoBA's kernels too (m
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LOG2E, dropout_first, dropout_keep, head_base, head_slope, key_ranges, listed_row,
-                       listed_tile, listed_tile_id, load_document_ids, load_rows, query_ranges, query_tile_start,
-                       row_stats, rows_from, rule_visible, score_terms, sequence_bounds, store_rows, tile_visible)
+from .tl_tiles import (ALIBI_FOLD, LOG2E, alibi_rows, dropout_first, dropout_keep, head_base, head_slope,
+                       key_ranges, listed_row, listed_tile, listed_tile_id, load_document_ids, load_rows, query_ranges,
+                       query_tile_start, row_stats, rows_from, rule_visible, score_terms, sequence_bounds, store_rows,
+                       tile_visible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,7 +28,9 @@ def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stri
     """Add the query tile q_pos (M,) of one head into a key tile's dK, dV. Computed transposed (keys
     as rows) so P^T and dS^T come out of tl.dot in the layout the next dot consumes. visibleT: the
     (N, M) mask, or None for a tile that needs none. §15: k_col (N, 1) the keys' positions, shift = Tk - Tq,
-    softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; cols_v, HEAD_DV: dO's and V's columns where V's
+    softcap, slope2 and the SOFTCAP, ALIBI switches: score_terms'; with ALIBI_FOLD k_col and q_pos + shift are the
+    keys' and the rows' positions past the origin (the key tile's first key): the scores take the keys' part of the
+    bias, each row's lse its part, slope2 * (q_pos + shift), which its P then subtracts; cols_v, HEAD_DV: dO's and V's
     head dim is its own (None: cols and HEAD_DIM). §16 drop: (seed, row0, the keys' columns k_pos (N,), n_cols,
     dropout_p) of dropout_keep, with DROPOUT; the caller scales dV by 1 / (1 - p) once."""
     q = load_rows(Q, q_pos, Tq, stride_qt, cols, stride_qd, HEAD_DIM, visibleT is not None)  # (M, D)
@@ -40,7 +43,10 @@ def dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, q_pos, stride_qt, stride_qd, stri
     delta = tl.load(DELTA + q_pos, mask=q_pos < Tq, other=0.0)  # (M,)
     # §4: recompute P^T = exp2(s - lse) instead of having stored the (Tq, Tk) matrix
     kq = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (N, M)
-    if SOFTCAP or ALIBI:  # §15 the scores as the forward made them
+    if ALIBI == ALIBI_FOLD:  # §15 the rows' part of the bias, in lse as the folded scores carry it (origin 0)
+        sT, tT = score_terms(kq, 0, k_col, qk_scale, softcap, slope2, SOFTCAP, ALIBI)
+        pT = tl.exp2(sT - (lse2 + slope2 * (q_pos + shift).to(tl.float32))[None, :])
+    elif SOFTCAP or ALIBI:  # §15 the scores as the forward made them
         sT, tT = score_terms(kq, (q_pos + shift)[None, :], k_col, qk_scale, softcap, slope2, SOFTCAP, ALIBI)
         pT = tl.exp2(sT - lse2[None, :])
     else:
@@ -84,6 +90,7 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
     # §15 as in attn_fwd: the terms' arguments None where a switch is off; V, dO and dV have V_DIM columns
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
     BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
+    ALIBI_TERM: tl.constexpr = ALIBI_FOLD if ALIBI and CAUSAL else ALIBI  # §15 as in attn_fwd
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1)
     H_kv = H // GROUP
@@ -116,7 +123,11 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
     dv = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     qk_scale = scale * LOG2E
     k_col = None
-    if ALIBI:
+    shift = Tk - Tq  # row i's position among the keys is i + shift (§6)
+    if ALIBI_TERM == ALIBI_FOLD:  # §15 positions past the origin, this program's first key
+        k_col = (k_pos - start_n)[:, None]  # (N, 1)
+        shift = Tk - Tq - start_n
+    elif ALIBI:
         k_col = k_pos[:, None]  # (N, 1), §15
 
     # §7 GQA gradient sum: every query head that reads this kv head adds into the same registers,
@@ -140,8 +151,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
-                                    DROPOUT)
+                                    DOT_PRECISION, k_col, shift, softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM,
+                                    drop, DROPOUT)
             for i in range(n_full, n_listed):
                 start_m = listed_tile(row, i, MASK_BLOCK, BLOCK_M)
                 tile_id = listed_tile_id(row, i, n_blocks, BITS, MASK_BLOCK, BLOCK_M)
@@ -150,8 +161,8 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 visibleT = tile_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, q_doc, k_doc,
                                     TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, shift,
+                                    softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
         else:
             # §6: query tiles on the diagonal masked, fully visible ones not, the ragged last one (and those a
             # window's left edge cuts, §14) masked
@@ -162,20 +173,20 @@ def attn_bwd_dkdv(Q, K, V, DO, DK, DV, LSE, DELTA,
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, shift,
+                                    softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, start_m + tl.arange(0, BLOCK_M), stride_qt,
                                     stride_qd, stride_dot, stride_dod, cols, Tq, qk_scale, None, HEAD_DIM,
-                                    DOT_PRECISION, k_col, Tk - Tq, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
-                                    DROPOUT)
+                                    DOT_PRECISION, k_col, shift, softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM,
+                                    drop, DROPOUT)
             for start_m in range(full_end, end, BLOCK_M):
                 q_pos = start_m + tl.arange(0, BLOCK_M)  # (M,)
                 visibleT = rule_visible(q_pos[None, :], k_pos[:, None], Tq, Tk, window_left, window_right, CAUSAL,
                                          WINDOW)
                 dk, dv = dkdv_tile(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, q_pos, stride_qt, stride_qd, stride_dot,
-                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, Tk - Tq,
-                                    softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                    stride_dod, cols, Tq, qk_scale, visibleT, HEAD_DIM, DOT_PRECISION, k_col, shift,
+                                    softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
 
     DK = head_base(DK, b, h_kv, stride_dkb, stride_dkh)
     DV = head_base(DV, b, h_kv, stride_dvb, stride_dvh)
@@ -190,7 +201,8 @@ def dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt
              visible, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, q_abs=None, softcap=None, slope2=None,
              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, cols_v=None, HEAD_DV: tl.constexpr = 0,
              pdp=None, SINKS: tl.constexpr = False, drop=None, DROPOUT: tl.constexpr = False):
-    """Add the key tile k_pos (N,) into one query tile's dQ; visible, and §15's q_abs ... HEAD_DV, as in fwd_tile.
+    """Add the key tile k_pos (N,) into one query tile's dQ; visible, and §15's q_abs ... HEAD_DV, as in fwd_tile (with
+    ALIBI_FOLD lse2 holds the rows' part of the bias, as the forward's m did).
     pdp: each row's running sum of P * dP, which this tile adds to with SINKS (§15). -> dq, pdp. §16 drop: as
     fwd_tile's."""
     k = load_rows(K, k_pos, Tk, stride_kt, cols, stride_kd, HEAD_DIM, visible is not None)  # (N, D)
@@ -241,6 +253,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     # the program also writes each row's sum of P * dP to SINK_ROWS (laid out as LSE), for the sinks' gradient
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
     BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
+    ALIBI_TERM: tl.constexpr = ALIBI_FOLD if ALIBI and CAUSAL else ALIBI  # §15 as in attn_fwd
     start_m = query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -287,7 +300,10 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
     qk_scale = scale * LOG2E
     slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
     q_abs = None
-    if ALIBI:
+    if ALIBI_TERM == ALIBI_FOLD:  # §15 as in attn_fwd: the origin, and the rows' part of the bias into lse, once
+        q_abs = start_m + Tk - Tq
+        lse2 += alibi_rows(slope2, BLOCK_M)
+    elif ALIBI:
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1)
     pdp = tl.zeros([BLOCK_M], tl.float32)  # (M,) §15 each row's sum of P * dP, summed with SINKS only
     if DROPOUT:
@@ -300,7 +316,7 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                                stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
-                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
+                               slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
@@ -310,8 +326,8 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
             visible = tile_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, q_doc, k_doc,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
-                               cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
+                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP,
+                               ALIBI_TERM, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
     else:
         lo, full_lo, full_end, end = key_ranges(start_m, Tq, Tk, window_left, window_right, BLOCK_M, BLOCK_N,
                                                 CAUSAL, WINDOW)  # §6, as in the forward
@@ -322,17 +338,17 @@ def attn_bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA,
                                         WINDOW)
                 dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd,
                                    cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2,
-                                   SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
+                                   SOFTCAP, ALIBI_TERM, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         for start_n in range(full_lo, full_end, BLOCK_N):
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, start_n + tl.arange(0, BLOCK_N), stride_kt, stride_kd,
                                stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM, DOT_PRECISION, q_abs, softcap,
-                               slope2, SOFTCAP, ALIBI, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
+                               slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             dq, pdp = dq_tile(dq, q, do, lse2, delta, K, V, k_pos, stride_kt, stride_kd, stride_vt, stride_vd, cols,
-                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI,
-                               cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
+                               Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP,
+                               ALIBI_TERM, cols_v, V_DIM, pdp, SINKS, drop, DROPOUT)
     if SINKS:
         tl.store(SINK_ROWS + q_pos, pdp, mask=q_pos < Tq)
     DQ = head_base(DQ, b, h, stride_dqb, stride_dqh)

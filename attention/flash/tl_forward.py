@@ -10,9 +10,10 @@ too (moba/tl_kernels.py, §11).
 import triton
 import triton.language as tl
 
-from .tl_tiles import (LN2, LOG2E, dropout_first, dropout_keep, head_rows, head_slope, key_ranges, listed_row,
-                       listed_tile, listed_tile_id, load_document_ids, load_tile, query_tile_start, row_stats,
-                       rows_from, rule_visible, score_terms, sequence_bounds, store_tile, tile_visible)
+from .tl_tiles import (ALIBI_FOLD, LN2, LOG2E, alibi_rows, dropout_first, dropout_keep, head_rows, head_slope,
+                       key_ranges, listed_row, listed_tile, listed_tile_id, load_document_ids, load_tile,
+                       query_tile_start, row_stats, rows_from, rule_visible, score_terms, sequence_bounds, store_tile,
+                       tile_visible)
 
 
 @triton.jit
@@ -80,6 +81,8 @@ def attn_fwd(Q, K, V, O, LSE,
     # SEED (the call's Philox seed, one int64) likewise None without DROPOUT
     V_DIM: tl.constexpr = HEAD_DV if HEAD_DV > 0 else HEAD_DIM
     BLOCK_V: tl.constexpr = BLOCK_DV if HEAD_DV > 0 else BLOCK_D
+    # §15 ALiBi under the causal mask: the scores take the bias's key part alone, its row part goes into m and lse
+    ALIBI_TERM: tl.constexpr = ALIBI_FOLD if ALIBI and CAUSAL else ALIBI
     start_m = query_tile_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -113,16 +116,23 @@ def attn_fwd(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
     qk_scale = scale * LOG2E
-    if SINKS:
-        # §15 the sink: a key of score `sink` whose value is 0, folded in before the first tile as §2's state after
-        # it: m = sink (base 2), l = exp2(sink - m) = 1, acc = 0 (a sink of -inf is no sink: l = 0)
-        sink2 = tl.load(SINK_LOGITS + h * stride_sinks).to(tl.float32) * LOG2E
-        m_i = tl.zeros([BLOCK_M], tl.float32) + sink2
-        l_i = tl.zeros([BLOCK_M], tl.float32) + (sink2 > float("-inf")).to(tl.float32)
     slope2 = head_slope(SLOPES, b, h, stride_slopes_b, stride_slopes_h, ALIBI)  # §15
     q_abs = None
-    if ALIBI:
+    if ALIBI_TERM == ALIBI_FOLD:
+        # §15 the fold's origin, the tile's first row's position among the keys: every score of row r exceeds its
+        # true one by slope2 * (r - o) (alibi_rows), which m then carries too
+        q_abs = start_m + Tk - Tq
+    elif ALIBI:
         q_abs = (q_pos + Tk - Tq)[:, None]  # (M, 1) the rows' positions among the keys (§6)
+    if SINKS:
+        # §15 the sink: a key of score `sink` whose value is 0, folded in before the first tile as §2's state after
+        # it: m = sink (base 2), l = exp2(sink - m) = 1, acc = 0 (a sink of -inf is no sink: l = 0); with ALiBi's
+        # fold in the rows' folded units, as their scores are
+        sink2 = tl.load(SINK_LOGITS + h * stride_sinks).to(tl.float32) * LOG2E
+        m_i = tl.zeros([BLOCK_M], tl.float32) + sink2
+        if ALIBI_TERM == ALIBI_FOLD:
+            m_i += alibi_rows(slope2, BLOCK_M)
+        l_i = tl.zeros([BLOCK_M], tl.float32) + (sink2 > float("-inf")).to(tl.float32)
     if DROPOUT:
         drop = (seed, row0, q_pos[:, None], n_cols, dropout_p)
 
@@ -135,7 +145,7 @@ def attn_fwd(Q, K, V, O, LSE,
             start_n = listed_tile(row, i, MASK_BLOCK, BLOCK_N)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop,
                                       DROPOUT)
         q_doc = load_document_ids(DOC_IDS, q_pos[:, None], Tk - Tq, Tq, -1, DOCS)  # (M, 1)
         for i in range(n_full, n_listed):
@@ -147,7 +157,7 @@ def attn_fwd(Q, K, V, O, LSE,
                                TILE_BITS, tile_id, CAUSAL, WINDOW, DOCS, BITS, MASK_BLOCK)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                      softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
     else:
         # §6: the tiles a window's left edge cuts, masked; the fully visible ones, unmasked; then the few at the
         # diagonal and the ends, masked
@@ -160,22 +170,25 @@ def attn_fwd(Q, K, V, O, LSE,
                                         WINDOW)
                 acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                           stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                          softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                          softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
         for start_n in range(full_lo, full_end, BLOCK_N):
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, start_n + tl.arange(0, BLOCK_N), stride_kt,
                                       stride_kd, stride_vt, stride_vd, cols, Tk, qk_scale, None, HEAD_DIM,
-                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop,
+                                      DOT_PRECISION, q_abs, softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop,
                                       DROPOUT)
         for start_n in range(full_end, end, BLOCK_N):
             k_pos = start_n + tl.arange(0, BLOCK_N)  # (N,)
             visible = rule_visible(q_pos[:, None], k_pos[None, :], Tq, Tk, window_left, window_right, CAUSAL, WINDOW)
             acc, m_i, l_i = fwd_tile(acc, m_i, l_i, q, K, V, start_n, k_pos, stride_kt, stride_kd, stride_vt,
                                       stride_vd, cols, Tk, qk_scale, visible, HEAD_DIM, DOT_PRECISION, q_abs,
-                                      softcap, slope2, SOFTCAP, ALIBI, cols_v, V_DIM, drop, DROPOUT)
+                                      softcap, slope2, SOFTCAP, ALIBI_TERM, cols_v, V_DIM, drop, DROPOUT)
 
     # §4 log-sum-exp, saved for the backward pass, in natural log: lse = (m + log2 l) * ln 2.
     # §8 fully-masked rows: l = 0 -> output 0 and lse = +inf, so backward's exp2(s - lse) is 0.
-    # §15 with a sink, l >= 1 and lse holds the sink's term: such a row's lse is the sink
+    # §15 with a sink, l >= 1 and lse holds the sink's term: such a row's lse is the sink. With ALiBi's fold m is in
+    # the folded units: less each row's bias part, lse is the true one (what return_lse and the backward read)
+    if ALIBI_TERM == ALIBI_FOLD:
+        m_i -= alibi_rows(slope2, BLOCK_M)
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN2, float("inf"))

@@ -18,6 +18,9 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(x) == log2(x) * LN2
 # §15 the SOFTCAP switch's values, which tanh a softcap takes (device.softcap_tanh): 0 no softcap
 SOFTCAP_EXP2 = tl.constexpr(1)  # from the exp2 and a division (the interpreter, GPUs before sm_75)
 SOFTCAP_TANH_APPROX = tl.constexpr(2)  # the special-function unit's tanh.approx.f32
+# §15 the ALIBI switch's values inside the kernels: 0 no ALiBi, True |row - key| per score, ALIBI_FOLD under the
+# causal mask, where the row's part of the bias is a constant of the row, folded into m and lse (score_terms)
+ALIBI_FOLD = tl.constexpr(2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +262,10 @@ def score_terms(qk, q_abs, k_pos, qk_scale, softcap, slope2, SOFTCAP: tl.constex
     unused), bias = -slope * |q_abs - k_pos|. qk: the raw q.k products; q_abs, k_pos: the rows' positions among the
     keys (i + Tk - Tq) and the keys', shaped to broadcast over qk ((M, 1) and (1, N), or transposed); slope2 = slope *
     LOG2E. The backward keeps t for softcap's derivative, 1 - t^2. Entries a mask hides come out finite: the caller
-    masks them. SOFTCAP: 0 (False), SOFTCAP_EXP2 or SOFTCAP_TANH_APPROX (device.softcap_tanh)."""
+    masks them. SOFTCAP: 0 (False), SOFTCAP_EXP2 or SOFTCAP_TANH_APPROX (device.softcap_tanh).
+    ALIBI == ALIBI_FOLD (the causal mask: every key a row sees has k_pos <= its position r): q_abs is then a scalar,
+    the origin o, and the bias's key part alone is added, slope * (k_pos - o), one vector per tile; the row's part,
+    -slope * (r - o), is the caller's (folded into m and lse once per row)."""
     t = qk  # a tensor either way: Triton returns no None inside a tuple
     if SOFTCAP == SOFTCAP_TANH_APPROX:  # x = qk * scale / softcap; ±1 at ±inf, so no score becomes NaN
         t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [qk * (qk_scale / (softcap * LOG2E))],
@@ -272,9 +278,18 @@ def score_terms(qk, q_abs, k_pos, qk_scale, softcap, slope2, SOFTCAP: tl.constex
         s2 = t * (softcap * LOG2E)
     else:
         s2 = qk * qk_scale
-    if ALIBI:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
+    if ALIBI == ALIBI_FOLD:  # the keys' distances past the origin: small integers, exact in float, one per key
+        s2 = s2 + slope2 * (k_pos - q_abs).to(tl.float32)
+    elif ALIBI:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
         s2 = s2 - slope2 * tl.abs(q_abs.to(tl.float32) - k_pos.to(tl.float32))
     return s2, t
+
+
+@triton.jit
+def alibi_rows(slope2, n_rows: tl.constexpr):
+    """§15 ALIBI_FOLD: the row part of the bias of n_rows rows whose first sits at the origin, slope2 * (r - o) for
+    r - o = 0, 1, ...: what the rows' folded scores exceed their true ones by, and so their m (n_rows,)."""
+    return slope2 * tl.arange(0, n_rows).to(tl.float32)
 
 
 @triton.jit

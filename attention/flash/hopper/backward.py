@@ -16,7 +16,7 @@ import triton.language as tl
 from ..device import HAS_GLUON, sm_count
 from ..launch import Launched, launch, planned
 from ..tl_tiles import LOG2E
-from .forward import forward_supports, key_problem, term_values, tma_can_read, with_term_values
+from .forward import alibi_causal, forward_supports, key_problem, term_values, tma_can_read, with_term_values
 from .shapes import (BACKWARD_LAUNCH_REGS, BACKWARD_TILES, DQ_GROUP_BYTES, KEY_BLOCK, KEYS, QUERY_BLOCK,
                      SPLIT_PROGRAMS_PER_SM, HopperBackwardTile)
 
@@ -31,15 +31,18 @@ if HAS_GLUON:
 # --- the pre-pass and post-pass, in `tl` (they run in the CPU interpreter too) -------------------------------------
 @triton.jit
 def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, SINK_ROWS, SINK_LOGITS, stride_ob, stride_oh, stride_ot,
-                      stride_dob, stride_doh, stride_dot, H, Tq, Tq_pad, lse_unit, HEAD_DIM: tl.constexpr,
-                      ROWS: tl.constexpr):
+                      stride_dob, stride_doh, stride_dot, H, Tq, Tq_pad, lse_unit, SLOPES, stride_slopes_b,
+                      stride_slopes_h, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
     """Per query row, into (B*H, Tq_pad) buffers, padded to whole tiles for the kernel's TMA loads (or not, Tq_pad ==
     Tq, for a gathered problem's copies): Delta = rowsum(dO * O) (§5) and lse * lse_unit, the lse in the units the
     kernel subtracts it in (row_values_first), with 0 and +inf in the padding rows (so P = 0 there and the kernel needs
     no row mask); and the row's float32 dQ accumulator (B*H, Tq_pad, D) zeroed for the kernel's adds, unless the
     caller gives the buffer (DQ_ACC None). With sinks (SINK_LOGITS (H,)), their (B*H, Tq) rows start at
     Delta (1 - P_sink), P_sink = exp(sink - lse), to which the kernel adds the row's sum of dS = P (dP - Delta): the
-    row's sum of P dP (§15, terms.sink_grad), with this Delta's rounding cancelled (the sum of P is 1 - P_sink)."""
+    row's sum of P dP (§15, terms.sink_grad), with this Delta's rounding cancelled (the sum of P is 1 - P_sink).
+    §15 SLOPES (with its strides; None without): ALiBi folded under the causal mask (the main kernel's ALIBI_CAUSAL),
+    whose scores take the bias's key part alone, past the first row of their query tile of ROWS (= QUERY_BLOCK) rows:
+    each row's part, slope * (row - the tile's first), joins its lse here."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (R,)
@@ -51,6 +54,12 @@ def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, SINK_ROWS, SINK_LOGITS,
                  mask=real[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse = tl.load(LSE + bh.to(tl.int64) * Tq + rows, mask=real, other=float("inf"))
+    if SINK_ROWS is not None:
+        p_sink = tl.exp(tl.load(SINK_LOGITS + h).to(tl.float32) - lse)  # the row's own lse, before the fold's part
+        tl.store(SINK_ROWS + bh.to(tl.int64) * Tq + rows, delta * (1.0 - p_sink), mask=real)
+    if SLOPES is not None:  # §15 the fold's row part (+inf stays +inf)
+        slope = tl.load(SLOPES + b * stride_slopes_b + h * stride_slopes_h).to(tl.float32)
+        lse += slope * tl.arange(0, ROWS).to(tl.float32)
     row_index = bh.to(tl.int64) * Tq_pad + rows  # (R,)
     padded = rows < Tq_pad
     tl.store(DELTA + row_index, delta, mask=padded)
@@ -58,9 +67,6 @@ def attn_bwd_prepare(O, DO, LSE, LSE_ROW, DELTA, DQ_ACC, SINK_ROWS, SINK_LOGITS,
     if DQ_ACC is not None:
         tl.store(DQ_ACC + row_index[:, None] * HEAD_DIM + cols[None, :], tl.zeros([ROWS, HEAD_DIM], tl.float32),
                  mask=padded[:, None])
-    if SINK_ROWS is not None:
-        p_sink = tl.exp(tl.load(SINK_LOGITS + h).to(tl.float32) - lse)
-        tl.store(SINK_ROWS + bh.to(tl.int64) * Tq + rows, delta * (1.0 - p_sink), mask=real)
 
 
 @triton.jit
@@ -194,7 +200,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
         return 1 / scale if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
     unit = lse_unit(scale)
-    prepare_args = (o, do, lse, lse_row, delta_row, dq_acc, sink_rows, sinks, *sizes_prepare, unit)
+    # §15 ALiBi under the causal mask, folded: the pre-pass adds each row's part of the bias into its lse row
+    fold = alibi_causal(causal, term_args, row_src)
+
+    def prepare_slopes(term_args):  # the pre-pass's SLOPES and strides: the slopes' where folded, else None
+        return tuple(term_args[1:4]) if fold else (None,) * 3
+    prepare_args = (o, do, lse, lse_row, delta_row, dq_acc, sink_rows, sinks, *sizes_prepare, unit,
+                    *prepare_slopes(term_args))
     first_prepare = launch(attn_bwd_prepare, rows_grid, prepare_args, HEAD_DIM=D, ROWS=QUERY_BLOCK.value)
     # K, V swizzled in atoms of D/2 columns (D bytes of 16-bit elements), as attn_bwd_ws lays them out
     k_desc, v_desc = (descriptor(t, KEY_BLOCK.value, swizzle=D) for t in (k, v))
@@ -225,7 +237,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
                  *document_args(documents), *term_args, sink_rows, *key_sizes, split)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
-                        maxnreg=BACKWARD_LAUNCH_REGS)
+                        maxnreg=BACKWARD_LAUNCH_REGS, **fold)
     if row_src is not None:  # the caller reads its buffer
         return Launched(first_main.compiled, None)
     first_finish, finish_args = finish_dq(dq_acc, dq, T_pad, scale)
@@ -244,13 +256,14 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     if any(plan is None for plan in plans):  # inputs that alias: each call's arguments anew
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
             lse_row, delta_row, dq_acc, dk_part, dv_part = buffers()
-            terms_now, (sink_rows_now, sinks_now) = values_now[:n_terms], values_now[n_terms:] or (None, None)
+            terms_now = with_term_values(term_args, values_now[:n_terms])
+            sink_rows_now, sinks_now = values_now[n_terms:] or (None, None)
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, sink_rows_now, sinks_now, *sizes_prepare,
-                                lse_unit(scale))
+                                lse_unit(scale), *prepare_slopes(terms_now))
             dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)
             first_main.again(k, v, q, do, lse_row, delta_row, dk_out, dv_out, *grad_strides, dq_acc, *sources,
-                             *sizes_main, scale, *document_args(documents), *with_term_values(term_args, terms_now),
-                             sink_rows_now, *key_sizes, split)
+                             *sizes_main, scale, *document_args(documents), *terms_now, sink_rows_now, *key_sizes,
+                             split)
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
             if first_sum is not None:
                 first_sum.again(dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)

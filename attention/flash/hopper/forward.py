@@ -57,6 +57,14 @@ def forward_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dense: b
     return dense and runs_on(q) and tma_can_read(q, k, v)
 
 
+def alibi_causal(causal: bool, term_args: tuple, row_src) -> dict:
+    """§15 the kernels' ALIBI_CAUSAL switch: {ALIBI_CAUSAL: True} for a causal call with ALiBi slopes (not a gathered
+    problem's), whose builds fold the bias's row part out of the scores (gluon_softmax.tile_terms' FOLD); no
+    constant otherwise, so other calls build and launch as before."""
+    slopes = term_args[1] if len(term_args) > 1 else None
+    return dict(ALIBI_CAUSAL=True) if causal and slopes is not None and row_src is None else {}
+
+
 def key_problem(k: torch.Tensor, gathered: bool, key_tile: int) -> tuple[int, int, tuple[int, int]]:
     """-> (Hkv, Tk, (KEY_HEADS, KEY_T)) of the kernels' keys: k's own heads and length; or for a gathered problem
     (§11 "Keys read where they are") one sequence of k's (B, Hkv, T) rows, which the producers map back to k's place
@@ -112,7 +120,8 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     args = (*descriptors, o, lse, *sizes, scale, n_work, per_turn, *document_args(documents), *gathered, *term_args,
             *key_sizes)
     first = launch(attn_fwd_ws, (programs,), args, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
-                   CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs)
+                   CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs,
+                   **alibi_causal(causal, term_args, row_src))
     if row_src is not None:
         return Launched(first.compiled, None)
     values = term_values(term_args)

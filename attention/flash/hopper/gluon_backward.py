@@ -161,11 +161,13 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
                    heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES,
-                   stride_slopes_b, stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                   stride_slopes_b, stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
     of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
     row values (row_values_first). §15 softcap, SLOPES (with its strides): FlashAttention's terms, None where the
-    call has none; SINK_ROWS: the sinks' rows, or None (attn_bwd_ws)."""
+    call has none (attn_bwd_ws); CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask, else None: the
+    scores take the bias's key part alone, past the origin start_m + Tk - Tq (the query tile's first row's position),
+    and the row part is in lse_smem's rows already (backward.attn_bwd_prepare). SINK_ROWS: the sinks' rows, or None."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -203,6 +205,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # mind). The sinks need nothing more for dS: the lse the forward stored holds the sink's share, so P does too;
     # their own gradient takes each row's sum of P dP (add_sink_rows), not with softcap (whose dS^T has its factor)
     SOFTCAP: gl.constexpr = softcap is not None
+    FOLD: gl.constexpr = CAUSAL_SLOPES is not None
     TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
     # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s:
     # with dP^T issued beside S^T as in the plain build, Triton 3.9's builds spilled 92 stores (157 with ALiBi too)
@@ -233,7 +236,9 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         st, dpt_token = issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem.index(slot), SOFTCAP, LATE_DP,
                                      ROWS_FIRST)
         tt = None  # with softcap tanh(scale S / softcap), kept for dS
-        if TERMS:  # §15 as the forward's scores, before the mask
+        if FOLD:  # §15 the keys' part of ALiBi's bias, past the origin: two keys per thread
+            st, tt = score_terms(st, None, (keys - (start_m + Tk - Tq))[:, None], qk_scale, softcap, slope)
+        elif TERMS:  # §15 as the forward's scores, before the mask
             st, tt = score_terms(st, (start_m + rows_m + Tk - Tq)[None, :], keys[:, None], qk_scale, softcap, slope)
         st = masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, rows_end, b, SPANS, IDS,
                            stride_ids)
@@ -288,31 +293,31 @@ def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, SINK_ROWS, ROWS_FIRST)
+                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST)
 
 @gluon.jit
 def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
     _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, SINK_ROWS, ROWS_FIRST)
+                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST)
 
 @gluon.jit
 def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
                  SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS, KEY_HEADS,
-                 KEY_T, KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                 KEY_T, KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr, ALIBI_CAUSAL: gl.constexpr = False):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
@@ -325,7 +330,9 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     (B, H_kv, Tk, D) partial gradients, H_kv counting split heads (§13 "A small grid of grouped heads"); 1 otherwise.
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
     each None (a constant: the build is the one without it) where the call has none (_key_gradients). SINK_ROWS: with
-    sinks (not with softcap or ROW_SRC) the float32 (B*Hq, Tq) rows each query row's sum of P dP is added into."""
+    sinks (not with softcap or ROW_SRC) the float32 (B*Hq, Tq) rows each query row's sum of P dP is added into.
+    ALIBI_CAUSAL: a causal call with SLOPES, ALiBi folded; LSE's rows then hold each row's part of the bias
+    (attn_bwd_prepare)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
     dtype: gl.constexpr = k_desc.dtype
@@ -366,11 +373,17 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
         mbarrier.init(ds_empty.index(i), count=1 if DQ_COLS == HEAD_DIM else 2)
     fence_async_shared()  # the initialised barriers, visible to the copy engine before its first arrive
 
+    # §15 ALiBi under the causal mask, folded (ALIBI_CAUSAL): the consumers get the slopes again as CAUSAL_SLOPES, as
+    # in gluon_forward.attn_fwd_ws
+    if ALIBI_CAUSAL:
+        causal_slopes = SLOPES
+    else:
+        causal_slopes: gl.constexpr = None
     consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, SINK_ROWS, ROWS_FIRST)
+                     stride_slopes_h, causal_slopes, SINK_ROWS, ROWS_FIRST)
     gl.warp_specialize([
         (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
         (_key_gradients_1, consumer_args),

@@ -126,11 +126,17 @@ def score_terms(s, rows, keys, qk_scale, softcap, slope):
     shaped to broadcast over s. softcap: a float, or None without it; slope: the head's ALiBi slope divided by scale,
     or None. Entries a mask hides come out finite: the caller masks them after. tanh is the special-function unit's
     (tanh_approx), as tl_tiles.score_terms takes it on a GPU: one instruction beside the softmax's exp2 on the unit
-    the forward is bound by (§12), where the exp2 and a division would take two."""
+    the forward is bound by (§12), where the exp2 and a division would take two.
+    rows None: ALiBi folded under the causal mask (tl_tiles.score_terms' ALIBI_FOLD): keys are then the keys'
+    positions past an origin o and the bias's key part alone is added, slope * (keys - o), one value per key; the row
+    part, -slope * (row - o), is the caller's (the forward's m and lse, the backward's lse rows)."""
     t = s
     if softcap is not None:
         t = tanh_approx(s * (qk_scale / (softcap * 1.4426950408889634)))
         s = t * (softcap * 1.4426950408889634 / qk_scale)
-    if slope is not None:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
-        s = s - slope * gl.abs(rows.to(gl.float32) - keys.to(gl.float32))
+    if slope is not None:
+        if rows is None:  # the fold: small integers, exact in float, converted once per key
+            s = s + slope * keys.to(gl.float32)
+        else:  # positions converted as vectors, the distance in float: exact below 2^24, no per-score cast
+            s = s - slope * gl.abs(rows.to(gl.float32) - keys.to(gl.float32))
     return s, t

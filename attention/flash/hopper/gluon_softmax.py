@@ -41,12 +41,25 @@ def mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_
     return gl.where(visible, s, float("-inf"))
 
 @gluon.jit
-def tile_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr):
+def tile_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr, FOLD: gl.constexpr):
     """§15 softcap and ALiBi on the scores s (ROWS, N) of rows first_row ... and keys start_n ..., before the mask
-    (score_terms; shift = Tk - Tq aligns the rows among the keys bottom-right, §6), in S's units."""
-    rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
-    keys = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
-    return score_terms(s, rows[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+    (score_terms; shift = Tk - Tq aligns the rows among the keys bottom-right, §6), in S's units. FOLD (ALiBi under
+    the causal mask): the keys' part of the bias alone, past the origin first_row + shift, the first row's position;
+    row first_row + i's scores then exceed its true ones by slope * i (alibi_rows)."""
+    if FOLD:
+        keys = (start_n - first_row - shift) + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
+        s = score_terms(s, None, keys[None, :], qk_scale, softcap, slope)[0]
+    else:
+        rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
+        keys = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
+        s = score_terms(s, rows[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+    return s
+
+@gluon.jit
+def alibi_rows(slope, qk_scale, rows_layout: gl.constexpr):
+    """§15 ALiBi folded under the causal mask (tile_terms' FOLD): what the folded scores of a warpgroup's rows
+    exceed their true ones by, in base 2 as m holds them: slope * qk_scale * i for row first_row + i (ROWS,)."""
+    return (slope * qk_scale) * gl.arange(0, ROWS, layout=rows_layout).to(gl.float32)
 
 @gluon.jit
 def fold_sink(acc, l_i, m_i, sink):
@@ -163,20 +176,21 @@ def item_rows(start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem
 
 @gluon.jit
 def scored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope, SPANS,
-                IDS, stride_ids):
+                IDS, stride_ids, FOLD: gl.constexpr):
     """The scores s (ROWS, N) of the key tile at start_n as the softmax takes them: §15 softcap and ALiBi first
-    (tile_terms), then where some row does not see some key of the tile (needs_mask), the mask (mask_keys)."""
+    (tile_terms; FOLD its causal fold), then where some row does not see some key of the tile (needs_mask), the mask
+    (mask_keys)."""
     BLOCK_N: gl.constexpr = s.shape[1]
     s_layout: gl.constexpr = acc_layout(BLOCK_N)
     if softcap is not None or slope is not None:
-        s = tile_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout)
+        s = tile_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout, FOLD)
     if needs_mask(start_n, mask_from, every_from, BLOCK_N, SPANS is not None):
         s = mask_keys(s, first_row, start_n, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
     return s
 
 @gluon.jit
 def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
-                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr):
+                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr, FOLD: gl.constexpr):
     """The item's first key tile alone (its key tile first_tile, ring tile number t): S and its softmax, nothing
     to rescale yet. -> (its K slot, the running max, P, the running sum)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -186,14 +200,15 @@ def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H,
     s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
     k_done(k_empty, k_slot, SPLIT)
     s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap,
-                    slope, SPANS, IDS, stride_ids)
+                    slope, SPANS, IDS, stride_ids, FOLD)
     m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
     p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     return k_slot, m_i, p, gl.sum(p, 1)
 
 @gluon.jit
 def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready, first_row, bh, H,
-                    diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr):
+                    diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr,
+                    FOLD: gl.constexpr):
     """A last key tile j (ring tile number t) taken by its first half, its second lying past every row's last key:
     S over the first half only (N/2 columns) issued together with P_{j-1} V_{j-1} (k_slot: K_{j-1}'s), always
     masked, in its own layout (acc_layout(N/2)), and its softmax while the P V may still run.
@@ -214,7 +229,7 @@ def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty,
     s_half = warpgroup_mma_wait(1, deps=[half_token])
     k_done(k_empty, k_slot, SPLIT)
     if softcap is not None or slope is not None:
-        s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout)
+        s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout, FOLD)
     s_half = mask_keys(s_half, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, half_layout)
     p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
                                                  gl.convert_layout(l_i, half_rows), qk_scale)
