@@ -1,5 +1,5 @@
 """Time the tuner's candidates for the shapes users run on this GPU, and write the choices the repository ships for its
-model (attention/flash/tuned/<gpu>.json), so that a first run there times nothing (attention/flash/tuner.py).
+model (attention/flash/tuned/<gpu>.json.gz), so that a first run there times nothing (attention/flash/tuner.py).
 
     python -m benchmarks.tune                              # into attention/flash/tuned/
     python -m benchmarks.tune --out_dir DIR --seq_lens 1024,4096

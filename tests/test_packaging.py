@@ -47,12 +47,12 @@ def test_the_wheel_holds_nanoflash_only(installed):
     # every module, every shipped tuner choice, the native launcher's and the CUDA backend's sources (built on first
     # use) of attention/, under the installed name, and nothing else
     shipped = {"nanoflash/" + p.relative_to(ROOT / "attention").as_posix() for p in (ROOT / "attention").rglob("*")
-               if p.suffix == ".py" or p.parent.name == "tuned" and p.suffix == ".json"
+               if p.suffix == ".py" or p.parent.name == "tuned" and p.name.endswith(".json.gz")
                or p.parent.name == "cuda" and p.suffix in (".cu", ".cuh", ".cpp", ".h")
                or p.parent.name == "flash" and p.suffix == ".cpp"}
     assert "nanoflash/cuda/flash_forward.cu" in shipped and "nanoflash/flash/native_launch.cpp" in shipped
     assert "nanoflash/integrations/transformers.py" in shipped
-    assert any(name.startswith("nanoflash/flash/tuned/") and name.endswith(".json") for name in shipped)
+    assert any(name.startswith("nanoflash/flash/tuned/") and name.endswith(".json.gz") for name in shipped)
     assert {name for name in names if not name.startswith("nanoflash-")} == shipped
 
 

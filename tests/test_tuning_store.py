@@ -1,4 +1,5 @@
 """The tuner's on-disk store of choices (attention/flash/tuning_store.py): CPU only, files under tmp_path."""
+import gzip
 import json
 import subprocess
 import sys
@@ -16,6 +17,16 @@ KEY = "fwd|HEAD_DIM=64|causal=True|Tq=4096|Tk=4096|dtype=bf16"
 
 def open_store(cache_dir, shipped_dir=None, **versions):
     return TuningStore.open(**{**H100, **versions}, cache_dir=cache_dir, shipped_dir=shipped_dir)
+
+
+def ship(shipped_dir, data: dict):
+    """data as the repository ships a GPU model's choices: gzipped JSON."""
+    shipped_dir.mkdir(exist_ok=True)
+    (shipped_dir / "nvidia-h100-80gb-hbm3.json.gz").write_bytes(gzip.compress(json.dumps(data).encode()))
+
+
+def shipped_choices(shipped_dir):
+    return json.loads(gzip.decompress((shipped_dir / "nvidia-h100-80gb-hbm3.json.gz").read_bytes()))["choices"]
 
 
 def test_slug_and_default_cache_dir(monkeypatch, tmp_path):
@@ -45,9 +56,7 @@ def test_round_trip_across_instances(tmp_path, recwarn):
 
 def test_shipped_used_and_user_wins(tmp_path, recwarn):
     shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    (shipped / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps(
-        {"format": FORMAT, **H100, "choices": {KEY: [64, 64, 4, 3], "dq|y": [128, 64, 8, 3]}}))
+    ship(shipped, {"format": FORMAT, **H100, "choices": {KEY: [64, 64, 4, 3], "dq|y": [128, 64, 8, 3]}})
     store = open_store(tmp_path / "cache", shipped)
     assert store.get(KEY) == [64, 64, 4, 3] and store.get("dq|y") == [128, 64, 8, 3]
     store.put(KEY, [128, 64, 8, 3])
@@ -55,7 +64,7 @@ def test_shipped_used_and_user_wins(tmp_path, recwarn):
     assert again.get(KEY) == [128, 64, 8, 3] and again.get("dq|y") == [128, 64, 8, 3]
     # The user file holds only the user's choices; the shipped file is never written
     assert json.loads(store.path.read_text())["choices"] == {KEY: [128, 64, 8, 3]}
-    assert json.loads((shipped / "nvidia-h100-80gb-hbm3.json").read_text())["choices"][KEY] == [64, 64, 4, 3]
+    assert shipped_choices(shipped)[KEY] == [64, 64, 4, 3]
     # Shipped choices for other versions are skipped, quietly
     assert open_store(tmp_path / "other", shipped, triton="3.5.0").get("dq|y") is None
     assert len(recwarn) == 0
@@ -90,6 +99,18 @@ def test_corrupt_file_ignored_with_one_warning_and_rebuilt(tmp_path, text):
         store.put(KEY, [128, 64, 8, 3])
     assert len(caught) == 1 and str(path) in str(caught[0].message) and "rebuilt" in str(caught[0].message)
     assert open_store(tmp_path).get(KEY) == [128, 64, 8, 3]
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"not gzip" + data])
+def test_corrupt_shipped_file_ignored_with_one_warning(tmp_path, damage):
+    shipped = tmp_path / "shipped"
+    ship(shipped, {"format": FORMAT, **H100, "choices": {KEY: [64, 64, 4, 3]}})
+    path = shipped / "nvidia-h100-80gb-hbm3.json.gz"
+    path.write_bytes(damage(path.read_bytes()))  # a truncated gzip stream; bytes that are no gzip at all
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert open_store(tmp_path / "cache", shipped).get(KEY) is None
+    assert len(caught) == 1 and str(path) in str(caught[0].message) and "ignored" in str(caught[0].message)
 
 
 # Each child loads the module from its file (no torch import: fast start-up), waits for the others, then puts its keys
@@ -135,12 +156,12 @@ def test_unwritable_dir_warns_once_and_keeps_choices_in_memory(tmp_path):
 
 def test_export_is_read_as_shipped(tmp_path, recwarn):
     shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    (shipped / "nvidia-h100-80gb-hbm3.json").write_text(json.dumps({"format": FORMAT, **H100, "choices": {"dq|y": [1]}}))
+    ship(shipped, {"format": FORMAT, **H100, "choices": {"dq|y": [1]}})
     store = open_store(tmp_path / "gpu-session", shipped)
     store.put(KEY, [128, 64, 8, 3])
     out = store.export(tmp_path / "repo" / "tuning")
-    assert out == tmp_path / "repo" / "tuning" / "nvidia-h100-80gb-hbm3.json"
+    assert out == tmp_path / "repo" / "tuning" / "nvidia-h100-80gb-hbm3.json.gz"
+    assert out.read_bytes() == store.export(tmp_path / "again").read_bytes()  # the same choices, the same bytes
     fresh = open_store(tmp_path / "user", out.parent)
     assert fresh.get(KEY) == [128, 64, 8, 3] and fresh.get("dq|y") == [1]
     assert not fresh.path.exists()

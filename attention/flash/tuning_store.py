@@ -1,7 +1,7 @@
 """The tuner's choices kept on disk, so that no process times a key another process has already timed.
 
     store = TuningStore.open(gpu=torch.cuda.get_device_name(), triton=triton.__version__, package="0.1.0",
-                             shipped_dir=Path(__file__).parent / "tuning")
+                             shipped_dir=Path(__file__).parent / "tuned")
     choice = store.get(key)          # a JSON value, or None: time the candidates, then
     store.put(key, choice)           # JSON keeps lists, not tuples: the tuner turns a tile back into a tuple
 
@@ -9,9 +9,11 @@ One JSON file per GPU model, <cache_dir>/tuning/<gpu slug>.json:
     {"format": 2, "gpu": ..., "triton": ..., "package": ..., "choices": {key: value}}   (keys: tuner.stored_key)
 The cache dir is $NANOFLASH_CACHE_DIR, else $XDG_CACHE_HOME/nanoflash, else ~/.cache/nanoflash. A file written for
 another GPU, Triton or package version is stale: a tile's speed changes with the compiler, so its choices are
-ignored and the file is replaced on the next put. Files shipped in the repository (shipped_dir, same format) serve
-when all three match; the user's own choices win over them. store.export(shipped_dir) writes one.
+ignored and the file is replaced on the next put. Files shipped in the repository (shipped_dir, <gpu slug>.json.gz:
+the same JSON, gzipped, as its keys repeat) serve when all three match; the user's own choices win over them.
+store.export(shipped_dir) writes one.
 """
+import gzip
 import json
 import os
 import re
@@ -42,10 +44,11 @@ def default_cache_dir() -> Path:
 def _read(path: Path, header: dict) -> tuple[dict, str | None]:
     """The choices in path if it was written for header's GPU and versions, else {} and why not (None: no file)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except (FileNotFoundError, NotADirectoryError):  # no file yet, or no cache dir can be made there (put warns)
         return {}, None
-    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON
+    except (OSError, EOFError, ValueError):  # unreadable, a broken gzip stream, not UTF-8 or not JSON
         return {}, CORRUPT
     if not (isinstance(data, dict) and type(data.get("format")) is int and isinstance(data.get("choices"), dict)
             and all(isinstance(data.get(field), str) for field in ("gpu", "triton", "package"))):
@@ -61,10 +64,13 @@ def _write(path: Path, header: dict, choices: dict) -> None:
     # the header on the first line, then one choice a line: compact (the repository ships these files) and diffable
     lines = [f"{json.dumps(key)}:{json.dumps(choice, separators=(',', ':'))}" for key, choice in sorted(choices.items())]
     text = json.dumps(header, sort_keys=True)[:-1] + ', "choices": {\n' + ",\n".join(lines) + "\n}}\n"
+    data = text.encode("utf-8")
+    if path.suffix == ".gz":  # mtime 0: the same choices give the same bytes
+        data = gzip.compress(data, mtime=0)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -84,9 +90,9 @@ class TuningStore:
         header = {"format": FORMAT, "gpu": gpu, "triton": triton, "package": package}
         name = gpu_slug(gpu) + ".json"
         path = Path(cache_dir or default_cache_dir()) / "tuning" / name
-        shipped, why = _read(Path(shipped_dir) / name, header) if shipped_dir else ({}, None)
+        shipped, why = _read(Path(shipped_dir) / (name + ".gz"), header) if shipped_dir else ({}, None)
         if why == CORRUPT:  # a shipped file for other versions is expected and skipped quietly: those tune anew
-            warnings.warn(f"nanoflash: {Path(shipped_dir) / name} {CORRUPT}; ignored")
+            warnings.warn(f"nanoflash: {Path(shipped_dir) / (name + '.gz')} {CORRUPT}; ignored")
         mine, why = _read(path, header)
         if why:
             warnings.warn(f"nanoflash: {path} {why}; ignored, it will be rebuilt on the next tuning")
@@ -116,7 +122,7 @@ class TuningStore:
     def export(self, shipped_dir: Path | str) -> Path:
         """Write every choice this store holds (shipped, the user's, this process's) as shipped_dir's file for its GPU
         (a GPU session runs the benchmarks, then exports into the repository). Returns the file's path."""
-        path = Path(shipped_dir) / self.path.name
+        path = Path(shipped_dir) / (self.path.name + ".gz")
         path.parent.mkdir(parents=True, exist_ok=True)
         _write(path, self.header, dict(self._choices))
         return path
