@@ -237,19 +237,17 @@ class SettledSteps:
         self.bar = tqdm(total=cfg.max_steps, initial=start_step, disable=None if world.is_main else True,
                         dynamic_ncols=True)
         self.skipped, self.in_a_row, self.stopped_by = skipped, 0, None
-        self.settled_at = time.perf_counter()
 
     def settle(self, launched) -> None:
         """Read a launched step's results, log them; raise NonFiniteError after too many non-finite steps in a row,
         note a stop request from any rank."""
         cfg = self.cfg
-        n, pending, launched_at = launched
+        n, pending, launch_s = launched
         result = pending.wait()
-        now = time.perf_counter()
         # the step's span on the GPU's stream (training/step.py); on the CPU, where a step runs as it is launched,
-        # its share of the wall clock
-        step_s = result.device_ms / 1000 if result.device_ms is not None else now - max(self.settled_at, launched_at)
-        self.settled_at = now
+        # the launch's own wall time (not the time between two reads: the last step is read right after the one
+        # before it)
+        step_s = result.device_ms / 1000 if result.device_ms is not None else launch_s
         self.in_a_row = 0 if result.finite else self.in_a_row + 1
         self.skipped += not result.finite
         tokens_per_s = self.tokens_per_step / step_s
@@ -402,7 +400,9 @@ def run(cfg: TrainConfig, world: World, device: torch.device, stop: StopSignal) 
             if last:
                 break
 
-            launched = (step, optimizer_step(lr_at(step, cfg), stop.signum is not None), time.perf_counter())
+            started = time.perf_counter()
+            pending = optimizer_step(lr_at(step, cfg), stop.signum is not None)
+            launched = (step, pending, time.perf_counter() - started)  # with the launch's wall time (settle)
             step += 1
             if in_flight:
                 steps.settle(in_flight)

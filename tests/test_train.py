@@ -121,6 +121,16 @@ def test_metrics_jsonl_has_the_documented_keys(tmp_path, data_dir):
         assert r["grad_norm"] > 0 and r["lr"] == train.lr_at(r["step"], tiny_config(tmp_path, data_dir, max_steps=5))
 
 
+def test_each_step_time_on_the_cpu_is_its_own(tmp_path, data_dir):
+    # a step read right after the one before it (before an evaluation, and the last) still gets its own time: on the
+    # CPU the launch's wall time, not the moment between two reads
+    train.train(tiny_config(tmp_path, data_dir, max_steps=9, eval_interval=4, log_interval=1))
+    records, _ = read_metrics(tmp_path)
+    times = {r["step"]: r["step_ms"] for r in records}
+    typical = np.median(list(times.values()))
+    assert all(ms > typical / 5 for ms in times.values()), times  # steps 3, 7 and 8 among them
+
+
 def test_resume_gives_bit_identical_losses(tmp_path, data_dir):
     # dropout and gradient accumulation on, so the RNG state and the data position both matter
     settings = dict(dropout=0.1, total_batch_size=2 * 4 * 16, eval_interval=3, lr_decay_steps=8)
