@@ -4,6 +4,8 @@
     python -m examples.train_llama --attn=triton --max_steps=300   # -> out/llama/triton/metrics.jsonl
     python -m examples.train_llama --attn=sdpa --max_steps=300 --compile
     python -m benchmarks.compare_report out/llama                  # table and loss plot of the runs
+    python -m examples.train_llama --n_layer=4 --n_embd=128 --n_head=4 --block_size=256 --batch_size=4 \
+        --max_steps=50 --warmup_steps=5                            # on a CPU: a small shape, about a minute
 
 Flags are --key=value: every LlamaConfig field (model shape and --attn) and the training settings
 in TRAIN_FLAGS, which keep train.py's defaults and checks (docs/training.md). One process, one
