@@ -64,8 +64,8 @@ class TrainStep:
     no_sync(): the context that skips the gradient sync on all but the last micro-step (None: one process);
     params: the parameters to clip; optimizer: a fused one (AdamW(fused=True), which takes found_inf);
     batches(): the next (x, y) on the CPU. check_finite: skip the update on a non-finite loss or gradient norm.
-    interruptible(): the context the forward and backward passes run in (training/stop.py's StopSignal stops a run there at
-    once; never in the update)."""
+    interruptible(): the context the forward and backward passes run in (training/stop.py's StopSignal stops a run
+    there at once; never in the update)."""
 
     def __init__(self, model, params, optimizer, scaler, batches, autocast, device: torch.device, grad_accum: int,
                  grad_clip: float, world_size: int, no_sync, check_finite: bool, interruptible=nullcontext):

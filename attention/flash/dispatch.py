@@ -313,7 +313,7 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     seqs = _cu_seqlens(varlen)
     # §15 with sinks the dQ kernel writes each row's sum of P * dP here, for their gradient (sink_grad)
     sink_rows = None if terms.sinks is None else torch.empty_like(lse)
-    values = term_values(terms, False) + (() if sink_rows is None else (sink_rows, terms.sinks))
+    values = _backward_values(terms, sink_rows)
     if forward_key is not None:
         key = ("bwd", forward_key, grads is not None, torch.are_deterministic_algorithms_enabled(), do.shape,
                do.stride(), do.dtype, do.data_ptr() % 16 == 0)
@@ -325,6 +325,12 @@ def backward(do, q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs = D
     if sink_rows is None:
         return dq, dk, dv
     return dq, dk, dv, sink_grad(terms.sinks, lse, sink_rows, varlen is not None)
+
+
+def _backward_values(terms: Terms, sink_rows: torch.Tensor | None) -> tuple:
+    """The tensors and numbers of a backward call besides its inputs and gradients, in its plan's order: the terms'
+    values, then with sinks (§15) the rows their sums go to and the sinks."""
+    return term_values(terms, False) + (() if sink_rows is None else (sink_rows, terms.sinks))
 
 
 def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, mask: MaskArgs,
@@ -349,7 +355,7 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
         # §15 softcap, ALiBi and the sinks' rows compiled in where the call has them
         given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, False)[:4], sink_rows=sink_rows,
                                                   sinks=terms.sinks)
-        values = term_values(terms, False) + (() if sink_rows is None else (sink_rows, terms.sinks))
+        values = _backward_values(terms, sink_rows)
 
         def hopper(tile):
             """-> its Launched: a dense call's again is its plan; with documents (no plan kept, _plan_key) this call"""
@@ -396,8 +402,8 @@ def _tl_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, ma
                 (q, k, v, do, dk, dv, lse, delta, *sq, *sk, *sv, *sdo, *sdk, *sdv, *seq_args,
                  *_block_list_args(mask, mask.q_blocks, rows_q, rows_k), *_sequence_args(call), *kernel_terms))
     # Delta (shaped as lse) after the gradients: the plan allocates it anew with every call
-    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *term_values(terms, False),
-            *([sink_rows, terms.sinks] if n_rows else []), *_cu_seqlens(varlen))
+    call = (do, q, k, v, o, lse, dq, dk, dv, torch.empty_like(lse), scale, *_backward_values(terms, sink_rows),
+            *_cu_seqlens(varlen))
     dq_args, dkdv_args = args(*call)
     constants = _constants(q, causal, mask, varlen)
     # dQ first: it also writes Delta (§5), which the dK/dV kernel reads; stream order makes it ready

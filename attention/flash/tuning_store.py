@@ -90,9 +90,10 @@ class TuningStore:
         header = {"format": FORMAT, "gpu": gpu, "triton": triton, "package": package}
         name = gpu_slug(gpu) + ".json"
         path = Path(cache_dir or default_cache_dir()) / "tuning" / name
-        shipped, why = _read(Path(shipped_dir) / (name + ".gz"), header) if shipped_dir else ({}, None)
+        shipped_path = Path(shipped_dir) / (name + ".gz") if shipped_dir else None
+        shipped, why = _read(shipped_path, header) if shipped_path else ({}, None)
         if why == CORRUPT:  # a shipped file for other versions is expected and skipped quietly: those tune anew
-            warnings.warn(f"nanoflash: {Path(shipped_dir) / (name + '.gz')} {CORRUPT}; ignored")
+            warnings.warn(f"nanoflash: {shipped_path} {CORRUPT}; ignored")
         mine, why = _read(path, header)
         if why:
             warnings.warn(f"nanoflash: {path} {why}; ignored, it will be rebuilt on the next tuning")

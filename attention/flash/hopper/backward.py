@@ -246,8 +246,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     if split > 1:
         first_sum, sum_args = sum_key_parts(dk_part, dv_part, dk, dv, split)
         launches.append((first_sum, sum_args))
-    n_terms, with_sinks = len(term_values(term_args)), sinks is not None  # (again must not keep the sinks alive)
-    values = term_values(term_args) + ((sink_rows, sinks) if with_sinks else ())
+    values = term_values(term_args)
+    n_terms = len(values)  # (again must not keep the sinks alive: it takes them from values_now)
+    values += (sink_rows, sinks) if sinks is not None else ()
     # a later call fills its tensors' places in these arguments (launch.planned; a descriptor's place takes its tensor,
     # launch.BoundLaunch), so again keeps no tensor of this call
     first_call = (do, q, k, v, o, lse, dq, dk, dv, scale, lse_row, delta_row, dq_acc, dk_part, dv_part, unit, *values,
