@@ -1,5 +1,5 @@
 // The forward pass (§2-§4, §6-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores:
-// one thread block per (query tile, batch, head), 4 warps of 16 query rows each, walking the key tiles with K and V
+// one thread block per (query tile, batch, head), 4 warps of 32 query rows each, walking the key tiles with K and V
 // double-buffered in shared memory.
 #include <cmath>
 
@@ -8,19 +8,27 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 64 query rows (4 warps x 16, the M of one mma) by 64 keys, for both head dims. Shared memory: Q plus two K
-// and two V buffers, (64 + 4 * 64) * D * 2 bytes = 40 KiB at D = 64, 80 KiB at D = 128 (two blocks per SM on A100
-// and H100). Registers per thread: the output accumulator 16 x D / 32 = D / 2 floats plus 32 for the score tile.
-constexpr int FWD_BLOCK_M = 64, FWD_BLOCK_N = 64, FWD_THREADS = 128;
+// Tiles: 128 query rows (4 warps x 2 row tiles of 16, the M of one mma) by 64 keys at D = 64, 32 at D = 128. Each
+// warp owns two row tiles so that every K and V fragment it reads from shared memory feeds two products: with one,
+// the ldmatrix reads (128 bytes a clock per SM) and not the tensor cores set the pace. Registers per thread: the
+// output accumulator 2 x 16 x D / 32 = D floats plus BLOCK_N for the scores, which at D = 128 fits 255 only with 32
+// keys (64 spill: nvcc -Xptxas -v). Shared memory: Q plus two K and two V buffers, (128 + 4 * BLOCK_N) * D * 2 bytes
+// = 48 KiB at D = 64, 64 KiB at D = 128.
+constexpr int FWD_ROW_TILES = 2, FWD_BLOCK_M = 4 * 16 * FWD_ROW_TILES, FWD_THREADS = 128;
+
+template <int D>
+__host__ __device__ constexpr int forward_block_n() {
+    return D == 64 ? 64 : 32;
+}
 
 template <int D>
 constexpr int forward_smem_bytes() {
-    return (FWD_BLOCK_M + 4 * FWD_BLOCK_N) * D * 2;
+    return (FWD_BLOCK_M + 4 * forward_block_n<D>()) * D * 2;
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionParams p) {
-    constexpr int BM = FWD_BLOCK_M, BN = FWD_BLOCK_N;
+    constexpr int BM = FWD_BLOCK_M, BN = forward_block_n<D>(), MT = FWD_ROW_TILES;
     using E = Element<T>;
     extern __shared__ __align__(128) unsigned char smem[];
     T *s_q = reinterpret_cast<T *>(smem);
@@ -29,7 +37,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     // §3 grid (query tiles, B * Hq); the tiles that see the most keys (the last ones, causal) start first
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM, warp_row0 = warp * 16 * MT;  // the warp's rows in the tile
     const int bh = blockIdx.y, b = bh / p.heads_q, h = bh % p.heads_q;
     const int h_kv = h / (p.heads_q / p.heads_kv);  // §7: query head h reads kv head h / G
     const int Tq = p.seqlen_q, Tk = p.seqlen_k;
@@ -51,10 +59,13 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
     }
     cp_async_commit();
 
-    // §2: per thread, rows g and g + 8 of the warp's 16: running max m (base 2, §8), partial sum l over this thread's
-    // columns (the group's 4 partial sums are added at the end), and the output accumulator a (16 x D per warp)
-    float acc[D / 8][4] = {};
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    // §2: per thread, rows g and g + 8 of each of the warp's row tiles: running max m (base 2, §8), partial sum l over
+    // this thread's columns (the group's 4 partial sums are added at the end), and the output accumulator a (MT x 16 x
+    // D per warp); row r of the thread is row tile r / 2, row g + 8 * (r % 2) in it
+    float acc[MT][D / 8][4] = {};
+    float m_run[2 * MT], l_run[2 * MT];
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) m_run[r] = -INFINITY, l_run[r] = 0.f;
     const float scale_log2 = p.scale * LOG2E;  // §8 exp2: log2(e) folded into the scale once
 
     for (int j = 0; j < n_tiles; ++j) {
@@ -71,44 +82,50 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         __syncthreads();
         const T *k_tile = s_k + buf * BN * D, *v_tile = s_v + buf * BN * D;
 
-        // §3 the score tile S = Q K^T, 16 x BN per warp, fp32 accumulation
-        float s[BN / 8][4] = {};
+        // §3 the score tile S = Q K^T, MT x 16 x BN per warp, fp32 accumulation; each K fragment feeds MT products
+        float s[MT][BN / 8][4] = {};
 #pragma unroll 2  // unrolled fully, ptxas hoists all of K's fragments at D = 128 and spills (nvcc -Xptxas -v)
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4(a, a_pattern<D>(s_q, warp * 16, kk * 16, lane));
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a_pattern<D>(s_q, warp_row0 + mt * 16, kk * 16, lane));
 #pragma unroll
             for (int nb = 0; nb < BN / 16; ++nb) {
                 uint32_t bk[4];
                 ldmatrix_x4(bk, b_pattern<D>(k_tile, nb * 16, kk * 16, lane));
-                mma_16x16<T>(s[2 * nb], s[2 * nb + 1], a, bk);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_16x16<T>(s[mt][2 * nb], s[mt][2 * nb + 1], a[mt], bk);
             }
         }
 
         // §8 exp2: scores in base 2 (scaled before masking, so that a negative scale cannot turn -inf into +inf)
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nb][e] *= scale_log2;
+            for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][nb][e] *= scale_log2;
         // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) {
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = m0 + warp * 16 + g + (e / 2) * 8, col = n0 + nb * 8 + 2 * t + (e % 2);
-                    if (!visible(row, col, Tq, Tk, p.causal)) s[nb][e] = -INFINITY;
-                }
-            }
+                for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8, col = n0 + nb * 8 + 2 * t + (e % 2);
+                        if (!visible(row, col, Tq, Tk, p.causal)) s[mt][nb][e] = -INFINITY;
+                    }
         }
 
-        // §2 online softmax, §8 exp2, for the thread's two rows
+        // §2 online softmax, §8 exp2, for the thread's 2 * MT rows
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < 2 * MT; ++r) {
+            float(&sr)[BN / 8][4] = s[r / 2];
+            const int e0 = 2 * (r % 2);  // the row's two values in each C fragment
             float m_new = m_run[r];
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb)
-                m_new = fmaxf(m_new, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            for (int nb = 0; nb < BN / 8; ++nb) m_new = fmaxf(m_new, fmaxf(sr[nb][e0], sr[nb][e0 + 1]));
             m_new = group_max(m_new);
             // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes both p and
             // alpha exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
@@ -118,29 +135,32 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             l_run[r] *= alpha;
 #pragma unroll
             for (int dn = 0; dn < D / 8; ++dn) {
-                acc[dn][2 * r] *= alpha;
-                acc[dn][2 * r + 1] *= alpha;
+                acc[r / 2][dn][e0] *= alpha;
+                acc[r / 2][dn][e0 + 1] *= alpha;
             }
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    s[nb][e] = fast_exp2(s[nb][e] - m_sub);
-                    l_run[r] += s[nb][e];
+                for (int e = e0; e < e0 + 2; ++e) {
+                    sr[nb][e] = fast_exp2(sr[nb][e] - m_sub);
+                    l_run[r] += sr[nb][e];
                 }
             }
         }
 
-        // §3 a += P V: two C tiles of P are one A fragment (flash_common.cuh), cast to the inputs' dtype (§8)
+        // §3 a += P V: two C tiles of P are one A fragment (flash_common.cuh), cast to the inputs' dtype (§8); each V
+        // fragment feeds MT products
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t a[4];
-            a_from_c<T>(a, s[2 * kk], s[2 * kk + 1]);
+            uint32_t a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) a_from_c<T>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
             for (int dn = 0; dn < D / 16; ++dn) {
                 uint32_t bv[4];
                 ldmatrix_x4_trans(bv, a_pattern<D>(v_tile, kk * 16, dn * 16, lane));
-                mma_16x16<T>(acc[2 * dn], acc[2 * dn + 1], a, bv);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma_16x16<T>(acc[mt][2 * dn], acc[mt][2 * dn + 1], a[mt], bv);
             }
         }
         __syncthreads();  // every warp is done with buffer buf before iteration j + 1 refills it
@@ -149,16 +169,16 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 
     // §4 the end: O = a / l (0 for a row that saw no key, §8) and lse = m + log2(l), stored in natural log
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2 * MT; ++r) {
         const float l = group_sum(l_run[r]);
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        const int row = m0 + warp * 16 + g + 8 * r;
+        const int row = m0 + warp_row0 + (r / 2) * 16 + g + 8 * (r % 2), e0 = 2 * (r % 2);
         if (row >= Tq) continue;
         T *o_row = o + row * p.o_stride.row;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn)
             *reinterpret_cast<uint32_t *>(o_row + dn * 8 + 2 * t) =
-                E::pack(acc[dn][2 * r] * inv, acc[dn][2 * r + 1] * inv);
+                E::pack(acc[r / 2][dn][e0] * inv, acc[r / 2][dn][e0 + 1] * inv);
         // §8: +inf for a row that sees no key, so that the backward's P = exp(s - lse) is 0 there
         if (t == 0) p.lse[static_cast<int64_t>(bh) * Tq + row] = l > 0.f ? (m_run[r] + log2f(l)) * LN2 : INFINITY;
     }
