@@ -34,3 +34,11 @@ def no_launch_plans():
     dispatch = sys.modules.get("attention.flash.dispatch")
     if dispatch is not None:
         dispatch.forget_plans()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The tiny train.py run's token shards (helpers.tiny_run_shards), made once per test module; modules whose runs
+    need other data define their own."""
+    from helpers import tiny_run_shards
+    return str(tiny_run_shards(tmp_path_factory.mktemp("tokens")))

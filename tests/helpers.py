@@ -1,5 +1,6 @@
 """What more than one test module uses: fresh random inputs, the float64 error criterion, shared checks and tools, and
-train.py runs (in this process as a command line would end, or in a subprocess on the CPU; a NaN injected into a loss).
+train.py runs (the tiny run's settings; in this process as a command line would end, or in a subprocess on the
+CPU; a NaN injected into a loss).
 
 Test modules import it as `from helpers import ...` (pytest's default import mode puts tests/ on sys.path, whether
 it runs from the repository root or from tests/); no test module imports another. Kernel modules (triton_*) are
@@ -23,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attention import attention, attention_qkvpacked, get_backend, register_backend
+from attention import attention, attention_qkvpacked, attention_varlen, get_backend, register_backend
 from data.shards import shard_path, write_index, write_shard
+from training.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 
@@ -261,6 +263,34 @@ def markdown_section(md: str, heading: str) -> tuple[list[str], list[list[str]]]
 # train.py runs
 
 
+# the tiny run most train.py tests make: 2 layers, 2 heads of 16 channels, 16-token context, 4 sequences per batch,
+# on conftest.py's data_dir
+TINY_VOCAB = 64
+TINY_RUN = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=TINY_VOCAB, batch_size=4, device="cpu",
+                wandb=False, sample_interval=0, eval_interval=0, eval_iters=2, log_interval=1,
+                checkpoint_interval=0, warmup_steps=2, learning_rate=1e-2, min_lr=1e-3, seed=0)
+
+
+def tiny_run_shards(folder: Path) -> Path:
+    """Shards in the data package's format: a repeating 40-token phrase with 10% random tokens, learnable enough for
+    the loss to fall within a few steps."""
+    return token_shards(folder, TINY_VOCAB, {"train": 20_000, "val": 4_000}, phrase=40, noise=0.1)
+
+
+def tiny_config(out_dir, data_dir, **overrides) -> TrainConfig:
+    """The tiny run's TrainConfig."""
+    return TrainConfig(**{**TINY_RUN, "out_dir": str(out_dir), "data_dir": data_dir, **overrides})
+
+
+def tiny_argv(out_dir, data_dir, **overrides) -> list[str]:
+    """train.py's command line for the tiny run's settings."""
+    return cli_flags(**{**TINY_RUN, "out_dir": out_dir, "data_dir": data_dir, **overrides})
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("step_ms", "tokens_per_s", "warmup")} for r in records]
+
+
 def cli_flags(**settings) -> list[str]:
     return [f"--{k}={v}" for k, v in settings.items()]
 
@@ -321,3 +351,76 @@ def nan_loss_forward(forward: Callable, calls: Collection[int], keep_grad: bool 
         return logits, loss
 
     return poisoned
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FlashAttention's terms (docs/flash_attention.md §15): test_terms.py on the CPU, test_terms_gpu.py
+
+def slopes_for(B, Hq, per_batch=False):
+    """ALiBi's geometric slopes 2^(-8 h / Hq), per batch row slightly apart with per_batch."""
+    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / Hq) for h in range(Hq)], dtype=torch.float32)
+    return slopes * torch.linspace(1, 1.5, B)[:, None] if per_batch else slopes
+
+
+# name -> attention()'s keywords for (B, Hq) = (2, 4)
+TERM_CASES = {
+    "softcap": lambda: dict(softcap=2.5),
+    "alibi": lambda: dict(alibi_slopes=slopes_for(2, 4)),
+    "alibi per batch": lambda: dict(alibi_slopes=slopes_for(2, 4, per_batch=True)),
+    "sinks": lambda: dict(sinks=torch.randn(4)),
+    "all": lambda: dict(softcap=3.0, alibi_slopes=slopes_for(2, 4, per_batch=True), sinks=torch.randn(4) + 2),
+}
+
+
+def assert_terms_match_fp64(q, k, v, causal=True, scale=None, backend="triton", varlen=None, sinks=None, **terms):
+    """attention(..., return_lse=True, **terms), or with varlen = (cu_q, cu_k, max_q, max_k) attention_varlen: out,
+    lse and the gradients of q, k, v and the sinks against the naive backend in float64, judged by the naive backend
+    in q's dtype (helpers.py's criterion). lse: the same rows +inf, the others within the criterion."""
+    do = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+
+    def run(name, q, k, v, sinks, do):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
+        extra = {} if sinks is None else {"sinks": leaves[3]}
+        if varlen is None:
+            out, lse = attention(*leaves[:3], causal, scale, backend=name, return_lse=True, **terms, **extra)
+        else:
+            out, lse = attention_varlen(*leaves[:3], *varlen, causal=causal, softmax_scale=scale, backend=name,
+                                        return_lse=True, **terms, **extra)
+        return (out, *torch.autograd.grad(out, leaves, do)), lse
+
+    exact, exact_lse = run("naive", q.double(), k.double(), v.double(), None if sinks is None else sinks.double(),
+                           do.double())
+    math, math_lse = run("naive", q, k, v, sinks, do)
+    ours, lse = run(backend, q, k, v, sinks, do)
+    names = ("out", "dq", "dk", "dv", "dsinks")[:len(ours)]
+    for name, t, like in zip(names, ours, (q, q, k, v, sinks)):
+        assert t.dtype == like.dtype, f"{name} is {t.dtype}"
+    assert_errors_within(names, exact, math, ours)
+    assert lse.dtype == torch.float32 and lse.shape == exact_lse.shape
+    blind = torch.isinf(exact_lse)
+    assert torch.equal(torch.isinf(lse), blind) and (lse[blind] > 0).all(), "rows that see nothing: lse +inf"
+    assert_errors_within(["lse"], [exact_lse[~blind]], [math_lse[~blind]], [lse[~blind]])
+    return ours
+
+
+def terms_for(case: str, B: int, Hq: int, device="cpu") -> dict:
+    """attention()'s keywords for a TERM_CASES name (or "alibi and sinks", the Hopper backward's sinks) and these
+    batch and head counts."""
+    torch.manual_seed(10)
+    slopes = slopes_for(B, Hq, per_batch=True)
+    terms = {"softcap": dict(softcap=2.5), "alibi": dict(alibi_slopes=slopes[0]),
+             "alibi per batch": dict(alibi_slopes=slopes), "sinks": dict(sinks=torch.randn(Hq)),
+             "all": dict(softcap=3.0, alibi_slopes=slopes, sinks=torch.randn(Hq) + 2),
+             "alibi and sinks": dict(alibi_slopes=slopes, sinks=torch.randn(Hq) + 2)}[case]
+    return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in terms.items()}
+
+
+def assert_compiled_like_eager(fn, inputs, tol):
+    """torch.compile(fn, fullgraph=True) gives eager's output and the gradients of every input (a graph break fails)."""
+    def run(f):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = f(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
+        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)

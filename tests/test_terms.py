@@ -1,12 +1,13 @@
 """FlashAttention's terms (issue 47, docs/flash_attention.md §15): softcap, ALiBi slopes, attention sinks, the returned
 log-sum-exp and a value head dim of its own. The naive reference against a direct float64 formula, the one-line
-errors, and the backends that refuse a term."""
+errors, the backends that refuse a term, and the triton kernels in the CPU interpreter; on the GPU: test_terms_gpu.py."""
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_errors_within, packed_document_ids, qkv, whole_paths
+from helpers import (TERM_CASES, assert_compiled_like_eager, assert_terms_match_fp64, packed_document_ids, qkv,
+                     slopes_for, terms_for, whole_paths)
 
 from attention import attention, attention_qkvpacked, attention_varlen
 from attention.masks import causal_mask
@@ -36,22 +37,6 @@ def direct(q, k, v, causal, scale, softcap=0.0, alibi_slopes=None, sinks=None):
     out = torch.einsum("bhij,bhjd->bhid", weights / total.clamp_min(1e-300)[..., None], v)
     lse = torch.where(total > 0, m + torch.log(total), torch.full_like(m, float("inf")))
     return out, lse
-
-
-def slopes_for(B, Hq, per_batch=False):
-    """ALiBi's geometric slopes 2^(-8 h / Hq), per batch row slightly apart with per_batch."""
-    slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / Hq) for h in range(Hq)], dtype=torch.float32)
-    return slopes * torch.linspace(1, 1.5, B)[:, None] if per_batch else slopes
-
-
-# name -> attention()'s keywords for (B, Hq) = (2, 4)
-TERM_CASES = {
-    "softcap": lambda: dict(softcap=2.5),
-    "alibi": lambda: dict(alibi_slopes=slopes_for(2, 4)),
-    "alibi per batch": lambda: dict(alibi_slopes=slopes_for(2, 4, per_batch=True)),
-    "sinks": lambda: dict(sinks=torch.randn(4)),
-    "all": lambda: dict(softcap=3.0, alibi_slopes=slopes_for(2, 4, per_batch=True), sinks=torch.randn(4) + 2),
-}
 
 
 @pytest.mark.parametrize("case", TERM_CASES)
@@ -177,49 +162,6 @@ def test_value_head_dim_is_refused_where_one_head_dim_is_taken():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the triton kernels (CPU interpreter: fp16 and fp32, small odd sizes), against float64
-
-
-def assert_terms_match_fp64(q, k, v, causal=True, scale=None, backend="triton", varlen=None, sinks=None, **terms):
-    """attention(..., return_lse=True, **terms), or with varlen = (cu_q, cu_k, max_q, max_k) attention_varlen: out,
-    lse and the gradients of q, k, v and the sinks against the naive backend in float64, judged by the naive backend
-    in q's dtype (helpers.py's criterion). lse: the same rows +inf, the others within the criterion."""
-    do = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-
-    def run(name, q, k, v, sinks, do):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v) + (() if sinks is None else (sinks,))]
-        extra = {} if sinks is None else {"sinks": leaves[3]}
-        if varlen is None:
-            out, lse = attention(*leaves[:3], causal, scale, backend=name, return_lse=True, **terms, **extra)
-        else:
-            out, lse = attention_varlen(*leaves[:3], *varlen, causal=causal, softmax_scale=scale, backend=name,
-                                        return_lse=True, **terms, **extra)
-        return (out, *torch.autograd.grad(out, leaves, do)), lse
-
-    exact, exact_lse = run("naive", q.double(), k.double(), v.double(), None if sinks is None else sinks.double(),
-                           do.double())
-    math, math_lse = run("naive", q, k, v, sinks, do)
-    ours, lse = run(backend, q, k, v, sinks, do)
-    names = ("out", "dq", "dk", "dv", "dsinks")[:len(ours)]
-    for name, t, like in zip(names, ours, (q, q, k, v, sinks)):
-        assert t.dtype == like.dtype, f"{name} is {t.dtype}"
-    assert_errors_within(names, exact, math, ours)
-    assert lse.dtype == torch.float32 and lse.shape == exact_lse.shape
-    blind = torch.isinf(exact_lse)
-    assert torch.equal(torch.isinf(lse), blind) and (lse[blind] > 0).all(), "rows that see nothing: lse +inf"
-    assert_errors_within(["lse"], [exact_lse[~blind]], [math_lse[~blind]], [lse[~blind]])
-    return ours
-
-
-def terms_for(case: str, B: int, Hq: int, device="cpu") -> dict:
-    """attention()'s keywords for a TERM_CASES name (or "alibi and sinks", the Hopper backward's sinks) and these
-    batch and head counts."""
-    torch.manual_seed(10)
-    slopes = slopes_for(B, Hq, per_batch=True)
-    terms = {"softcap": dict(softcap=2.5), "alibi": dict(alibi_slopes=slopes[0]),
-             "alibi per batch": dict(alibi_slopes=slopes), "sinks": dict(sinks=torch.randn(Hq)),
-             "all": dict(softcap=3.0, alibi_slopes=slopes, sinks=torch.randn(Hq) + 2),
-             "alibi and sinks": dict(alibi_slopes=slopes, sinks=torch.randn(Hq) + 2)}[case]
-    return {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in terms.items()}
 
 
 # name -> qkv() sizes, v's head dim, causal, mask keywords(B, Tk): odd lengths, heads grouped, Dv apart from D
@@ -427,17 +369,6 @@ def test_ops_with_terms_pass_opcheck():
     torch.library.opcheck(flash_attn_bwd, (torch.randn_like(out), q, k, v, out, lse, True, 0.25, *rest))
 
 
-def assert_compiled_like_eager(fn, inputs, tol):
-    """torch.compile(fn, fullgraph=True) gives eager's output and the gradients of every input (a graph break fails)."""
-    def run(f):
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        out = f(*leaves)
-        return (out, *torch.autograd.grad(out, leaves, torch.ones_like(out)))
-
-    for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
-        torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_torch_compile_fullgraph_with_terms(varlen):
     # Inductor compiles the ops around ours for the CPU; the sinks' gradient is traced torch operations
@@ -455,147 +386,3 @@ def test_torch_compile_fullgraph_with_terms(varlen):
         return attention(q, k, v, backend="triton", softcap=2.0, alibi_slopes=slopes, sinks=sinks)
 
     assert_compiled_like_eager(fn, (q, k, v, sinks), tol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# GPU: the compiled kernels in bf16 and fp16 at training sizes (skipped without CUDA, conftest.py)
-
-GPU_SHAPES = [  # D, Dv, causal, Tq, Tk
-    (64, 64, True, 1024, 1024),  # GPT-2's head
-    (128, 128, False, 1000, 1000),  # ragged last tile
-    (192, 128, True, 777, 777),  # MLA's head dims
-    (24, 16, True, 300, 1000),  # tiny heads, padded; Tq < Tk
-    (64, 32, True, 1000, 300),  # Tq > Tk: 700 rows see no key
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", TERM_CASES)
-@pytest.mark.parametrize("D, Dv, causal, Tq, Tk", GPU_SHAPES)
-def test_gpu_terms_match_fp64(dtype, case, D, Dv, causal, Tq, Tk):
-    torch.manual_seed(21)
-    q, k, _ = qkv(2, 8, 2, Tq, Tk, D, dtype, device="cuda")
-    v = torch.randn(2, 2, Tk, Dv, dtype=dtype, device="cuda")
-    assert_terms_match_fp64(q, k, v, causal, **terms_for(case, 2, 8, "cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("masks", ["window", "documents"])
-def test_gpu_terms_with_masks_match_fp64(dtype, masks):
-    torch.manual_seed(22)
-    q, k, _ = qkv(2, 8, 2, 999, 999, 64, dtype, device="cuda")
-    v = torch.randn(2, 2, 999, 32, dtype=dtype, device="cuda")
-    rules = ({"window": (256, 0)} if masks == "window" else
-             {"document_ids": packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()})
-    assert_terms_match_fp64(q, k, v, True, **rules, **terms_for("all", 2, 8, "cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_varlen_terms_match_fp64(dtype):
-    torch.manual_seed(23)
-    lengths = [1, 700, 129, 0, 1031]
-    q = torch.randn(sum(lengths), 8, 128, dtype=dtype, device="cuda")
-    k = torch.randn(sum(lengths), 2, 128, dtype=dtype, device="cuda")
-    v = torch.randn(sum(lengths), 2, 64, dtype=dtype, device="cuda")
-    cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).cuda()
-    assert_terms_match_fp64(q, k, v, True, varlen=(cu, cu, 1031, 1031), **terms_for("all", 5, 8, "cuda"))
-
-
-def spy_on_hopper_kernels(monkeypatch) -> list:
-    """Record each launch of the Hopper forward and backward (their whole path: a plan's repeats are not recorded) as
-    (kind, its term_args, its documents), and let it run; skip where they cannot run (an sm_90 GPU, Gluon)."""
-    from attention.flash import device
-    from attention.flash.hopper import backward as hopper_backward
-    from attention.flash.hopper import forward as hopper_forward
-
-    if not (device.HAS_GLUON and device.is_hopper(torch.device("cuda"))):
-        pytest.skip("the Hopper kernels run on an sm_90 GPU")
-    taken = []
-
-    def spy(kind, launch):
-        def recorded(*args, **kwargs):
-            taken.append((kind, kwargs.get("term_args"), args[12] if kind == "bwd" and len(args) > 12
-                          else args[8] if kind == "fwd" and len(args) > 8 else None))
-            return launch(*args, **kwargs)
-        return recorded
-    monkeypatch.setattr(hopper_forward, "forward", spy("fwd", hopper_forward.forward))
-    monkeypatch.setattr(hopper_backward, "backward", spy("bwd", hopper_backward.backward))
-    return taken
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D, causal, Tq, Tk", [
-    (64, True, 1024, 1024),  # GPT-2's head; the first warpgroup's half tiles at the diagonal (§12)
-    (128, False, 1000, 1000),  # ragged last tile; hs=128's backward (softcap: S^T from zero, dP^T late)
-    (64, True, 1000, 300),  # Tq > Tk: 700 rows see no key (lse the sink's, or +inf)
-    (128, True, 300, 1000),  # Tq < Tk: ALiBi's rows placed bottom-right among the keys
-])
-def test_gpu_terms_take_the_hopper_kernels(monkeypatch, dtype, D, causal, Tq, Tk):
-    # NANOFLASH_HOPPER=1 takes the Hopper kernels wherever they can run: each term through both of them (§15), against
-    # float64; with sinks and softcap together the forward only (dispatch._backward_plan)
-    from attention.flash import dispatch
-
-    taken = spy_on_hopper_kernels(monkeypatch)
-    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
-    torch.manual_seed(24)
-    q, k, v = qkv(2, 8, 2, Tq, Tk, D, dtype, device="cuda")
-    for case in [*TERM_CASES, "alibi and sinks"]:
-        taken.clear()
-        terms = terms_for(case, 2, 8, "cuda")
-        assert_terms_match_fp64(q, k, v, causal, **terms)
-        backward = ["bwd"] if "sinks" not in terms or "softcap" not in terms else []
-        assert [kind for kind, *_ in taken] == ["fwd"] + backward, (case, taken)
-        for _, args, _ in taken:
-            assert (args[0] is not None) == ("softcap" in terms)
-            assert (args[1] is not None) == ("alibi_slopes" in terms)
-        assert (taken[0][1][4] is not None) == ("sinks" in terms)
-    # a value head dim of its own stays on the `tl` kernels
-    taken.clear()
-    assert_terms_match_fp64(q, k, v[..., :32].contiguous(), causal, softcap=2.0)
-    assert taken == []
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128])
-def test_gpu_terms_with_documents_take_the_hopper_kernels(monkeypatch, dtype, D):
-    # §14's documents on the Hopper kernels, with every term
-    from attention.flash import dispatch
-
-    taken = spy_on_hopper_kernels(monkeypatch)
-    monkeypatch.setattr(dispatch, "HOPPER_MODE", "1")
-    torch.manual_seed(27)
-    q, k, v = qkv(2, 8, 2, 999, 999, D, dtype, device="cuda")
-    ids = packed_document_ids(2, 999, [[100, 1, 500, 398], [999]]).cuda()
-    assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("all", 2, 8, "cuda"))
-    # "all" has sinks and softcap: the backward on the `tl` kernels
-    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True)], taken
-    taken.clear()
-    assert_terms_match_fp64(q, k, v, True, document_ids=ids, **terms_for("alibi and sinks", 2, 8, "cuda"))
-    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
-    taken.clear()
-    assert_terms_match_fp64(q, k, v, True, document_ids=ids, softcap=20.0, alibi_slopes=slopes_for(2, 8).cuda())
-    assert [(kind, documents is not None) for kind, _, documents in taken] == [("fwd", True), ("bwd", True)], taken
-
-
-@pytest.mark.gpu
-@pytest.mark.usefixtures("default_tiles")
-def test_gpu_torch_compile_fullgraph_with_terms():
-    torch.manual_seed(25)
-    q, k, _ = qkv(2, 8, 2, 512, 512, 64, torch.bfloat16, device="cuda")
-    v = torch.randn(2, 2, 512, 32, dtype=torch.bfloat16, device="cuda")
-    sinks, slopes = torch.randn(8, device="cuda"), slopes_for(2, 8, per_batch=True).cuda()
-
-    def fn(q, k, v, sinks):
-        return attention(q, k, v, backend="triton", softcap=30.0, alibi_slopes=slopes, sinks=sinks)
-
-    assert_compiled_like_eager(fn, (q, k, v, sinks), tol=2e-2)
