@@ -287,10 +287,6 @@ def tiny_argv(out_dir, data_dir, **overrides) -> list[str]:
     return cli_flags(**{**TINY_RUN, "out_dir": out_dir, "data_dir": data_dir, **overrides})
 
 
-def without_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("step_ms", "tokens_per_s", "warmup")} for r in records]
-
-
 def cli_flags(**settings) -> list[str]:
     return [f"--{k}={v}" for k, v in settings.items()]
 

@@ -13,24 +13,14 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, cli_flags, cpu_env, read_metrics, run_cli, run_main, token_shards
+from helpers import ROOT, TINY_RUN, cli_flags, cpu_env, read_metrics, run_cli, run_main
 
 import train
 from training.checkpoint import read_checkpoint
 from training.config import ConfigError, TrainConfig
 
-VOCAB = 64
-# a tiny GPT; every test passes its own batch, steps and out_dir
-TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=VOCAB, device="cpu", wandb=False,
-            sample_interval=0, eval_interval=0, log_interval=1, checkpoint_interval=0, warmup_steps=2,
-            learning_rate=1e-2, min_lr=1e-3, seed=0)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> str:
-    """A repeating 40-token phrase with 10% random tokens: the loss falls within a few steps."""
-    folder = tmp_path_factory.mktemp("tokens")
-    return str(token_shards(folder, VOCAB, {"train": 20_000, "val": 4_000}, phrase=40, noise=0.1))
+# the tiny run (helpers.TINY_RUN, on conftest's data_dir); every test passes its own batch, steps and out_dir
+TINY = {k: v for k, v in TINY_RUN.items() if k != "batch_size"}
 
 
 def torchrun(parallel: str, timeout=120, **settings) -> subprocess.CompletedProcess:
