@@ -19,22 +19,29 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 64 keys per block (4 warps x 16 keys, the M of one mma) and BM queries per step. dK and dV accumulate in
-// registers, 16 x D each per warp = D floats per thread, plus the S^T and dP^T tiles (BM / 2 floats each): BM = 64 at
-// D = 64 and BM = 32 at D = 128 keep that about within 255 registers (nvcc -Xptxas -v: 254-255 registers, no spill
-// at D = 64; 255 and a 12-16 byte spill at D = 128, on sm_80 and sm_90). Shared memory: K, V, two Q and two dO
-// buffers, the dS^T tile and lse / Delta: 57 KiB at D = 64, 68.5 KiB at D = 128.
-constexpr int BWD_BLOCK_N = 64, BWD_THREADS = 128;
+// Tiles: 128 keys per block, 8 warps, and BM queries per step (64 at D = 64, 32 at D = 128). Each warp's products
+// read every fragment from shared memory for two mma tiles (a warp owning 16 rows would read one per product, and the
+// reads, 128 bytes a clock per SM, would set the pace; the forward's two row tiles, same reason):
+//   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
+//   P^T and dS^T go to shared memory, since the next products split the work another way;
+//   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by half of D's columns, so dK and dV
+//   hold 2 x 32 x D / 2 floats per warp, D per thread, as a warp of 16 keys by all of D would;
+//   dQ += dS K: warp w a block of 16 queries by DQ_COLS of D's columns.
+// Registers: D for dK and dV, BM for S^T and dP^T: within 255 without a spill at both head dims (nvcc -Xptxas -v,
+// sm_80 and sm_90). Shared memory: K and V (2 x 128 x D), Q and dO in STAGES buffers each (2 x STAGES x BM x D),
+// P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse / Delta: 97 KiB at D = 64 and 112.5 KiB at D = 128 double
+// buffered; single buffered (96.3 KiB at D = 128) where a block may not have that much (sm_86, sm_89: 99 KiB).
+constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
 template <int D>
 __host__ __device__ constexpr int backward_block_m() {
     return D == 64 ? 64 : 32;
 }
 
-template <int D>
+template <int D, int STAGES>
 constexpr int backward_smem_bytes() {
     constexpr int BM = backward_block_m<D>();
-    return (2 * BWD_BLOCK_N * D + 4 * BM * D + BWD_BLOCK_N * BM) * 2 + 4 * BM * 4;
+    return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4;
 }
 
 // §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): one warp per query row
@@ -56,20 +63,23 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     if (lane == 0) p.delta[row] = sum;
 }
 
-template <typename T, int D>
+template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
-    constexpr int BN = BWD_BLOCK_N, BM = backward_block_m<D>();
+    constexpr int BN = BWD_BLOCK_N, BM = backward_block_m<D>(), HALF_M = BM / 2, HALF_D = D / 2;
     using E = Element<T>;
     extern __shared__ __align__(128) unsigned char smem[];
     T *s_k = reinterpret_cast<T *>(smem);
     T *s_v = s_k + BN * D;
-    T *s_q = s_v + BN * D;       // two buffers of BM x D
-    T *s_do = s_q + 2 * BM * D;  // two buffers of BM x D
-    T *s_ds = s_do + 2 * BM * D;  // dS^T, BN x BM
-    float *s_lse = reinterpret_cast<float *>(s_ds + BN * BM);  // two buffers of BM, base 2 (§8)
-    float *s_delta = s_lse + 2 * BM;                             // two buffers of BM
+    T *s_q = s_v + BN * D;            // STAGES buffers of BM x D
+    T *s_do = s_q + STAGES * BM * D;  // STAGES buffers of BM x D
+    T *s_pt = s_do + STAGES * BM * D;  // P^T, keys x queries (BN x BM)
+    T *s_dst = s_pt + BN * BM;         // dS^T, keys x queries
+    float *s_lse = reinterpret_cast<float *>(s_dst + BN * BM);  // STAGES buffers of BM, base 2 (§8)
+    float *s_delta = s_lse + STAGES * BM;                        // STAGES buffers of BM
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int key0 = (warp % 4) * 32;  // the warp's 32 keys in the block: two mma row tiles
+    const int query0 = (warp / 4) * HALF_M, col0 = (warp / 4) * HALF_D;  // its half of the queries, of D
     const int n0 = blockIdx.x * BN;
     const int b = blockIdx.y / p.heads_kv, h_kv = blockIdx.y % p.heads_kv;
     const int group = p.heads_q / p.heads_kv;  // §7: query heads h_kv * G ... h_kv * G + G - 1 read this kv head
@@ -99,15 +109,15 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     if (steps > 0) issue(0, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
 
-    float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // the warp's 16 keys x D
-    const float scale_log2 = p.scale * LOG2E;   // §8 exp2
+    float dk[2][HALF_D / 8][4] = {}, dv[2][HALF_D / 8][4] = {};  // the warp's 32 keys x its half of D
+    const float scale_log2 = p.scale * LOG2E;                   // §8 exp2
 
     // dQ: warp w computes query rows (w % ROW_BLOCKS) * 16 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
-    constexpr int ROW_BLOCKS = BM / 16, DQ_COLS = D * ROW_BLOCKS / 4;
+    constexpr int ROW_BLOCKS = BM / 16, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
     const int dq_row = (warp % ROW_BLOCKS) * 16, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
 
     for (int step = 0; step < steps; ++step) {
-        const int buf = step & 1, h = head_of(step), m0 = row_of(step);
+        const int buf = STAGES == 2 ? step & 1 : 0, h = head_of(step), m0 = row_of(step);
         const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * Tq;  // of lse, Delta, dq_accum rows
         // §4 lse (to base 2, §8) and §5 Delta of the step's rows; a row past Tq gets lse = +inf, so its P is 0
         if (tid < BM) {
@@ -115,8 +125,9 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             s_lse[buf * BM + tid] = row < Tq ? p.lse[row_base + row] * LOG2E : INFINITY;
             s_delta[buf * BM + tid] = row < Tq ? p.delta[row_base + row] : 0.f;
         }
-        // double buffering (the num_stages = 2 of §9): the next step's Q and dO are in flight while this one computes
-        if (step + 1 < steps) {
+        // double buffering (the num_stages = 2 of §9): the next step's Q and dO are in flight while this one computes;
+        // with one buffer they are loaded at the end of the step
+        if (STAGES == 2 && step + 1 < steps) {
             issue(step + 1, buf ^ 1);
             cp_async_commit();
             cp_async_wait<1>();
@@ -127,70 +138,86 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         const T *q_tile = s_q + buf * BM * D, *do_tile = s_do + buf * BM * D;
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
 
-        // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, 16 keys x BM queries per warp
-        float st[BM / 8][4] = {}, dpt[BM / 8][4] = {};
+        // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
+        // fragment feeds both key tiles
+        float st[2][HALF_M / 8][4] = {}, dpt[2][HALF_M / 8][4] = {};
 #pragma unroll 2
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t ak[4], av[4];
-            ldmatrix_x4(ak, a_pattern<D>(s_k, warp * 16, kk * 16, lane));
-            ldmatrix_x4(av, a_pattern<D>(s_v, warp * 16, kk * 16, lane));
+            uint32_t ak[2][4], av[2][4];
 #pragma unroll
-            for (int nb = 0; nb < BM / 16; ++nb) {
+            for (int mt = 0; mt < 2; ++mt) {
+                ldmatrix_x4(ak[mt], a_pattern<D>(s_k, key0 + mt * 16, kk * 16, lane));
+                ldmatrix_x4(av[mt], a_pattern<D>(s_v, key0 + mt * 16, kk * 16, lane));
+            }
+#pragma unroll
+            for (int nb = 0; nb < HALF_M / 16; ++nb) {
                 uint32_t bq[4], bo[4];
-                ldmatrix_x4(bq, b_pattern<D>(q_tile, nb * 16, kk * 16, lane));
-                mma_16x16<T>(st[2 * nb], st[2 * nb + 1], ak, bq);
-                ldmatrix_x4(bo, b_pattern<D>(do_tile, nb * 16, kk * 16, lane));
-                mma_16x16<T>(dpt[2 * nb], dpt[2 * nb + 1], av, bo);
+                ldmatrix_x4(bq, b_pattern<D>(q_tile, query0 + nb * 16, kk * 16, lane));
+                ldmatrix_x4(bo, b_pattern<D>(do_tile, query0 + nb * 16, kk * 16, lane));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_16x16<T>(st[mt][2 * nb], st[mt][2 * nb + 1], ak[mt], bq);
+                    mma_16x16<T>(dpt[mt][2 * nb], dpt[mt][2 * nb + 1], av[mt], bo);
+                }
             }
         }
 
         // §4: P^T = exp2(S^T * scale * log2(e) - lse); §6: masked only where the tiles straddle the diagonal or the
-        // key tile is ragged; §5: dS^T = P^T o (dP^T - Delta)
+        // key tile is ragged; §5: dS^T = P^T o (dP^T - Delta). Both go to shared memory in the inputs' dtype (§8)
         const bool masked = n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift);
 #pragma unroll
-        for (int nb = 0; nb < BM / 8; ++nb) {
+        for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nb * 8 + 2 * t + (e % 2), key = n0 + warp * 16 + g + (e / 2) * 8;
-                float prob = fast_exp2(fmaf(st[nb][e], scale_log2, -lse[col]));
-                if (masked && !visible(m0 + col, key, Tq, Tk, p.causal)) prob = 0.f;
-                st[nb][e] = prob;
-                dpt[nb][e] = prob * (dpt[nb][e] - delta[col]);
+            for (int nb = 0; nb < HALF_M / 8; ++nb) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {  // the fragment's rows g and g + 8: two values each
+                    const int key_row = key0 + mt * 16 + g + 8 * r, col = query0 + nb * 8 + 2 * t;
+                    float prob[2], ds[2];
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int e = 2 * r + c;
+                        prob[c] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[col + c]));
+                        if (masked && !visible(m0 + col + c, n0 + key_row, Tq, Tk, p.causal)) prob[c] = 0.f;
+                        ds[c] = prob[c] * (dpt[mt][nb][e] - delta[col + c]);
+                    }
+                    *reinterpret_cast<uint32_t *>(s_pt + swizzle<BM>(key_row, col)) = E::pack(prob[0], prob[1]);
+                    *reinterpret_cast<uint32_t *>(s_dst + swizzle<BM>(key_row, col)) = E::pack(ds[0], ds[1]);
+                }
             }
-        }
-
-        // §5 dV += P^T dO and dK += dS^T Q (the scale comes once, at the store): the C tiles of P^T and dS^T are
-        // A fragments (flash_common.cuh); dO and Q (queries x D, k x n) are read with .trans as B
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            uint32_t ap[4], ads[4];
-            a_from_c<T>(ap, st[2 * kk], st[2 * kk + 1]);
-            a_from_c<T>(ads, dpt[2 * kk], dpt[2 * kk + 1]);
-#pragma unroll
-            for (int dn = 0; dn < D / 16; ++dn) {
-                uint32_t bo[4], bq[4];
-                ldmatrix_x4_trans(bo, a_pattern<D>(do_tile, kk * 16, dn * 16, lane));
-                mma_16x16<T>(dv[2 * dn], dv[2 * dn + 1], ap, bo);
-                ldmatrix_x4_trans(bq, a_pattern<D>(q_tile, kk * 16, dn * 16, lane));
-                mma_16x16<T>(dk[2 * dn], dk[2 * dn + 1], ads, bq);
-            }
-            // dS^T to shared memory (keys x queries), for the dQ product below, which needs all 64 keys
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    *reinterpret_cast<uint32_t *>(
-                        s_ds + swizzle<BM>(warp * 16 + g + 8 * r, (2 * kk + half) * 8 + 2 * t)) = ads[2 * half + r];
         }
         __syncthreads();
+
+        // §5 dV += P^T dO and dK += dS^T Q (the scale comes once, at the store): the warp's 32 keys x its HALF_D
+        // columns; P^T and dS^T (keys x queries) are A fragments, dO and Q (queries x D, k x n) are read with .trans
+        // as B, each feeding both key tiles
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            uint32_t ap[2][4], ads[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                ldmatrix_x4(ap[mt], a_pattern<BM>(s_pt, key0 + mt * 16, kk * 16, lane));
+                ldmatrix_x4(ads[mt], a_pattern<BM>(s_dst, key0 + mt * 16, kk * 16, lane));
+            }
+#pragma unroll
+            for (int dn = 0; dn < HALF_D / 16; ++dn) {
+                uint32_t bo[4], bq[4];
+                ldmatrix_x4_trans(bo, a_pattern<D>(do_tile, kk * 16, col0 + dn * 16, lane));
+                ldmatrix_x4_trans(bq, a_pattern<D>(q_tile, kk * 16, col0 + dn * 16, lane));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_16x16<T>(dv[mt][2 * dn], dv[mt][2 * dn + 1], ap[mt], bo);
+                    mma_16x16<T>(dk[mt][2 * dn], dk[mt][2 * dn + 1], ads[mt], bq);
+                }
+            }
+        }
 
         // §5 dQ += dS K: A = dS = (dS^T)^T read with .trans from the keys x queries tile, B = K (keys x D) with
         // .trans; the 16 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file)
         float dq[DQ_COLS / 8][4] = {};
-#pragma unroll
+#pragma unroll 2
         for (int kk = 0; kk < BN / 16; ++kk) {
             uint32_t a[4];
-            ldmatrix_x4_trans(a, b_pattern<BM>(s_ds, kk * 16, dq_row, lane));
+            ldmatrix_x4_trans(a, b_pattern<BM>(s_dst, kk * 16, dq_row, lane));
 #pragma unroll
             for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
                 uint32_t bk[4];
@@ -209,7 +236,11 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
                 atomicAdd(dq_accum + dn * 8 + 1, dq[dn][2 * r + 1]);
             }
         }
-        __syncthreads();  // buffer buf and dS^T are overwritten by the next steps
+        __syncthreads();  // the buffers, P^T and dS^T are overwritten by the next steps
+        if (STAGES == 1 && step + 1 < steps) {
+            issue(step + 1, 0);
+            cp_async_commit();
+        }
     }
     cp_async_wait<0>();  // no step: K and V's copies are still owed
 
@@ -217,15 +248,19 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     T *dk_out = static_cast<T *>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
     T *dv_out = static_cast<T *>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = n0 + warp * 16 + g + 8 * r;
-        if (key >= Tk) continue;
+    for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-            *reinterpret_cast<uint32_t *>(dk_out + key * p.dk_stride.row + dn * 8 + 2 * t) =
-                E::pack(dk[dn][2 * r] * p.scale, dk[dn][2 * r + 1] * p.scale);
-            *reinterpret_cast<uint32_t *>(dv_out + key * p.dv_stride.row + dn * 8 + 2 * t) =
-                E::pack(dv[dn][2 * r], dv[dn][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+            const int key = n0 + key0 + mt * 16 + g + 8 * r;
+            if (key >= Tk) continue;
+#pragma unroll
+            for (int dn = 0; dn < HALF_D / 8; ++dn) {
+                const int col = col0 + dn * 8 + 2 * t;
+                *reinterpret_cast<uint32_t *>(dk_out + key * p.dk_stride.row + col) =
+                    E::pack(dk[mt][dn][2 * r] * p.scale, dk[mt][dn][2 * r + 1] * p.scale);
+                *reinterpret_cast<uint32_t *>(dv_out + key * p.dv_stride.row + col) =
+                    E::pack(dv[mt][dn][2 * r], dv[mt][dn][2 * r + 1]);
+            }
         }
     }
 }
@@ -245,17 +280,29 @@ __global__ void dq_kernel(const AttentionParams p) {
     }
 }
 
+template <typename T, int D, int STAGES>
+cudaError_t launch_key_tiles(const AttentionParams &p) {
+    constexpr int smem = backward_smem_bytes<D, STAGES>();
+    auto kernel = backward_kernel<T, D, STAGES>;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
+    kernel<<<grid, BWD_THREADS, smem, p.stream>>>(p);
+    return cudaGetLastError();
+}
+
 template <typename T, int D>
 cudaError_t launch_backward(const AttentionParams &p) {
     const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
     delta_kernel<T, D><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, p.stream>>>(p);
 
-    constexpr int smem = backward_smem_bytes<D>();
-    auto kernel = backward_kernel<T, D>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    // Q and dO double buffered where a block may have the shared memory for it (the device's opt-in maximum)
+    int device = 0, smem_max = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaError_t err = smem_max >= backward_smem_bytes<D, 2>() ? launch_key_tiles<T, D, 2>(p)
+                                                               : launch_key_tiles<T, D, 1>(p);
     if (err != cudaSuccess) return err;
-    const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
-    kernel<<<grid, BWD_THREADS, smem, p.stream>>>(p);
 
     const int64_t blocks = std::min<int64_t>((rows * D + 255) / 256, 65536);
     dq_kernel<T, D><<<static_cast<unsigned>(blocks), 256, 0, p.stream>>>(p);
