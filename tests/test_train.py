@@ -133,6 +133,37 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, data_dir):
     np.testing.assert_allclose([r["train_loss"] for r in accum], [r["train_loss"] for r in big], rtol=1e-5)
 
 
+@pytest.mark.parametrize("grad_clip", [1e-3, 1e3], ids=["clipped", "under_the_clip"])
+@pytest.mark.parametrize("scaler", [False, True], ids=["clip_in_the_update", "fp16_scaler"])
+def test_the_step_clips_as_clip_grad_norm_does(tmp_path, data_dir, grad_clip, scaler):
+    # without a loss scaler the clip rides on the fused update's grad_scale; with one it scales the gradients first.
+    # Both must leave the moments (linear in the clipped gradient) and the weights as clip_grad_norm_ and a step do
+    from contextlib import nullcontext
+
+    from training.step import TrainStep
+
+    cfg = tiny_config(tmp_path, data_dir)
+    x, y = train.open_loader(cfg, "train", train.World(), TINY_VOCAB).next_batch()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = GPT(cfg.gpt_config())
+        runs.append((model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))))
+    (ours, our_optimizer), (ref, ref_optimizer) = runs
+    step = TrainStep(ours, ours.parameters(), our_optimizer, torch.amp.GradScaler("cpu", enabled=scaler),
+                     lambda: (x, y), nullcontext(), torch.device("cpu"), grad_accum=1, grad_clip=grad_clip,
+                     world_size=1, no_sync=None, check_finite=True)
+    result = step(1e-2, False).wait()
+    ref(x, y)[1].backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), grad_clip)
+    ref_optimizer.step()
+    assert result.grad_norm == pytest.approx(norm.item(), rel=1e-5) and (norm > grad_clip) == (grad_clip < 1)
+    for ours_state, ref_state in zip(our_optimizer.state.values(), ref_optimizer.state.values()):
+        torch.testing.assert_close(ours_state["exp_avg"], ref_state["exp_avg"], rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(ours.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+    assert not hasattr(our_optimizer, "grad_scale")  # the next step starts clean
+
+
 def test_init_from_a_weights_file_starts_from_those_weights(tmp_path, data_dir):
     torch.manual_seed(1)
     source = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=TINY_VOCAB))

@@ -97,7 +97,8 @@ class TrainStep:
                     loss_sum += loss.detach()
                     self.scaler.scale(loss / self.grad_accum).backward()  # / grad_accum: the whole batch's mean
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the loss-scaled ones
-        grad_norm = local(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))  # FSDP2: a replicated DTensor
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        grad_norm = local(total_norm)  # FSDP2: a replicated DTensor
         not_finite = torch.zeros((), device=self.device)
         if self.check_finite:
             finite = torch.isfinite(loss_sum)
@@ -110,11 +111,17 @@ class TrainStep:
         if self.scaler.is_enabled():
             # fp16: the scaler hands the fused update its own found_inf (non-finite gradients); a non-finite loss
             # whose gradients came out finite is caught here, on the host, before the update
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, total_norm)
             if shared[2].item() == 0:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.found_inf = (shared[2] > 0).float()  # read by the fused update on the device
+            if math.isfinite(self.grad_clip):
+                # the clip rides on the fused update: it divides each gradient by grad_scale as it reads it (the
+                # slot a GradScaler's scale takes), which saves clip_grad_norm_'s own pass over every gradient
+                self.optimizer.grad_scale = ((grad_norm + 1e-6) / self.grad_clip).clamp(min=1.0)
             self.optimizer.step()
             del self.optimizer.found_inf
+            self.optimizer.__dict__.pop("grad_scale", None)
         return LaunchedStep(torch.cat([shared, grad_norm.float().reshape(1)]), self.world_size, started)
