@@ -9,6 +9,7 @@ machine, then the table (benchmarks/scaling_report.py).
 With N GPUs (torch.cuda.device_count(), or --gpus) it runs train.py, each run in <out_dir>/<run>/, in this order:
 
     ddp1         1 GPU (a plain process), accumulating micro-batches to the global batch of N GPUs
+    single1      1 GPU, one micro-batch a step: each DDP rank's work per step, its update included, on one GPU
     ddp2..ddpN   DDP under torchrun at 2, 4, ... N GPUs, the same global batch (accumulation where n < N)
     fsdpN        FSDP2 at N GPUs, the same model and batch: memory and tokens/s beside ddpN
     large-fsdpN  the large model (48 layers, 2560 wide, 20 heads: 3.9B parameters) under FSDP2 at N GPUs, a few steps
@@ -65,7 +66,7 @@ EVERY_RUN = dict(eval_interval=0, sample_interval=0, log_interval=1, checkpoint_
 @dataclass
 class Run:
     name: str
-    kind: str  # ddp | fsdp | large | resume
+    kind: str  # ddp | single | fsdp | large | resume
     gpus: int
     parallel: str
     batch_size: int
@@ -102,6 +103,9 @@ def plan(args) -> list[Run]:
         if resume and g == n:  # its one checkpoint, resume_steps before the end; no checkpoint at the end
             settings["checkpoint_interval"] = args.steps - args.resume_steps
         runs.append(Run(f"ddp{g}", "ddp", g, "ddp", per_gpu_seqs, n // g, settings))
+        if g == 1:  # the same steps at one GPU's own batch: what a rank's step costs without the all-reduce
+            runs.append(Run("single1", "single", 1, "ddp", per_gpu_seqs, 1,
+                            {**settings, "total_batch_size": per_gpu_seqs * seq_len}))
     runs.append(Run(f"fsdp{n}", "fsdp", n, "fsdp", per_gpu_seqs, 1, {**common, **steps, "parallel": "fsdp"}))
     shape = TINY_LARGE_SHAPE if args.tiny else LARGE_SHAPE
     large_batch = 1 if args.tiny else args.large_batch_size

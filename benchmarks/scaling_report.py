@@ -8,7 +8,8 @@ or metrics.jsonl.gz) and writes results.json and results.md:
 
 - scaling: DDP at each number of GPUs n (n = 1 accumulates micro-batches to the same global batch): median tokens/s,
   tokens/s per GPU, scaling efficiency tokens/s(n) / (n * tokens/s(1)), and the train loss step by step minus the
-  1-GPU run's;
+  1-GPU run's; beside it the efficiency against single1, one GPU taking one micro-batch a step: the same work per
+  GPU and step, so what separates the two is the update, which the accumulating GPU takes once per n micro-batches;
 - fsdp: FSDP2 beside DDP at the machine's N GPUs on the same model: tokens/s and per-GPU peak memory;
 - large: the large model under FSDP2 at N GPUs: tokens/s, per-GPU peak memory, and the bytes its weights, gradients
   and AdamW moments alone would take per GPU under DDP;
@@ -101,6 +102,8 @@ def summarize(out_dir: Path, skip_steps: int = DEFAULT_SKIP_STEPS) -> dict:
     ddp = sorted((run for run in runs.values() if run["kind"] == "ddp"), key=lambda run: run["gpus"])
     one = next((run for run in ddp if run["gpus"] == 1), None)
     base_tps, base_losses = (one["median_tokens_per_s"], one["losses"]) if one else (None, {})
+    single = next((run for run in runs.values() if run["kind"] == "single"), None)
+    single_tps = single["median_tokens_per_s"] if single else None
     scaling = []
     for run in ddp:
         diffs = loss_diffs(run["losses"], base_losses)
@@ -108,7 +111,9 @@ def summarize(out_dir: Path, skip_steps: int = DEFAULT_SKIP_STEPS) -> dict:
         scaling.append({
             "gpus": run["gpus"], "run": run["name"], "grad_accum": run["grad_accum"], "tokens_per_s": tps,
             "tokens_per_s_per_gpu": tps / run["gpus"] if tps is not None else None,
-            "efficiency": efficiency(tps, run["gpus"], base_tps), "peak_mem_gb": run["peak_mem_gb"],
+            "efficiency": efficiency(tps, run["gpus"], base_tps),
+            "efficiency_per_step": efficiency(tps, run["gpus"], single_tps) if run["gpus"] > 1 else None,
+            "peak_mem_gb": run["peak_mem_gb"],
             "max_abs_loss_diff": max_abs(diffs), "last_loss_diff": diffs[max(diffs)] if diffs else None,
             "loss_diff": diffs, "status": run["status"],
         })
@@ -164,11 +169,18 @@ def markdown(summary: dict) -> str:
              f"{summary['skip_steps']} (and train.py's warmup steps). Peak memory: rank 0's "
              "torch.cuda.max_memory_allocated, GB.", ""]
     lines += ["## Data parallel (DDP) against 1 GPU", "", markdown_table(
-        ["GPUs", "accumulation", "tokens/s", "tokens/s per GPU", "scaling efficiency", "max |loss - 1 GPU's|",
-         "last step's loss - 1 GPU's", "peak memory", "status"],
+        ["GPUs", "accumulation", "tokens/s", "tokens/s per GPU", "scaling efficiency",
+         "efficiency against 1 GPU's own step", "max |loss - 1 GPU's|", "last step's loss - 1 GPU's", "peak memory",
+         "status"],
         [[row["gpus"], row["grad_accum"], fmt(row["tokens_per_s"]), fmt(row["tokens_per_s_per_gpu"]),
-          fmt(row["efficiency"]), fmt(row["max_abs_loss_diff"]), fmt(row["last_loss_diff"]), fmt(row["peak_mem_gb"]),
-          row["status"]] for row in summary["scaling"]])]
+          fmt(row["efficiency"]), fmt(row["efficiency_per_step"]), fmt(row["max_abs_loss_diff"]),
+          fmt(row["last_loss_diff"]), fmt(row["peak_mem_gb"]), row["status"]] for row in summary["scaling"]])]
+    single = next((run for run in summary["runs"].values() if run["kind"] == "single"), None)
+    if single:
+        lines += [f"1 GPU's own step ({single['name']}: one micro-batch a step, the update every step, as each DDP "
+                  f"rank takes them): {fmt(single['median_tokens_per_s'])} tokens/s, {single['status']}. Against it "
+                  "the ranks lose only to the all-reduce; against the accumulating GPU also to the update, which it "
+                  "takes once per n micro-batches.", ""]
     if summary["fsdp"]:
         fsdp = summary["fsdp"]
         lines += [f"## FSDP2 beside DDP at {n} GPUs", "", markdown_table(

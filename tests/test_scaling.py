@@ -27,16 +27,17 @@ def flags_of(cmd: list[str]) -> dict[str, str]:
 def test_the_plan_of_four_gpus_keeps_the_global_batch_and_resumes_at_two(tmp_path):
     args = scaling.parse_args(["--gpus", "4", "--out_dir", str(tmp_path)])
     runs = scaling.plan(args)
-    assert [r.name for r in runs] == ["ddp1", "ddp2", "ddp4", "fsdp4", "large-fsdp4", "resume-ddp2"]
-    assert [(r.gpus, r.grad_accum) for r in runs] == [(1, 4), (2, 2), (4, 1), (4, 1), (4, 4), (2, 2)]
+    assert [r.name for r in runs] == ["ddp1", "single1", "ddp2", "ddp4", "fsdp4", "large-fsdp4", "resume-ddp2"]
+    assert [(r.gpus, r.grad_accum) for r in runs] == [(1, 4), (1, 1), (2, 2), (4, 1), (4, 1), (4, 4), (2, 2)]
     commands = {r.name: scaling.command(r, tmp_path / r.name) for r in runs}
     for name, cmd in commands.items():
         flags = flags_of(cmd)
-        assert flags["total_batch_size"] == str(4 * 16 * 1024), name  # 16 x 1024 tokens per GPU at N=4
+        # 16 x 1024 tokens per GPU at N=4; single1: one GPU's own 16 x 1024 a step
+        assert flags["total_batch_size"] == str((1 if name == "single1" else 4) * 16 * 1024), name
         assert flags["attn"] == "triton" and flags["wandb"] == "false" and flags["eval_interval"] == "0", name
         assert flags["out_dir"] == str(tmp_path / name)
-        assert ("torch.distributed.run" in cmd) == (name != "ddp1")
-        assert f"--nproc_per_node={dict((r.name, r.gpus) for r in runs)[name]}" in cmd or name == "ddp1"
+        assert ("torch.distributed.run" in cmd) == (name not in ("ddp1", "single1"))
+        assert f"--nproc_per_node={dict((r.name, r.gpus) for r in runs)[name]}" in cmd or name in ("ddp1", "single1")
     assert flags_of(commands["ddp4"])["checkpoint_interval"] == "27"  # --steps 30, --resume_steps 3
     assert flags_of(commands["ddp4"])["final_checkpoint"] == "false"
     assert flags_of(commands["resume-ddp2"])["resume"] == "true" and runs[-1].from_step == 27
@@ -45,8 +46,9 @@ def test_the_plan_of_four_gpus_keeps_the_global_batch_and_resumes_at_two(tmp_pat
     assert (large["parallel"], large["compile"], large["max_steps"]) == ("fsdp", "false", "10")
     assert flags_of(commands["fsdp4"])["compile"] == "true"
     two = scaling.plan(scaling.parse_args(["--gpus", "2", "--out_dir", str(tmp_path)]))
-    assert [r.name for r in two] == ["ddp1", "ddp2", "fsdp2", "large-fsdp2"]  # a resume needs N >= 4 unless asked
-    assert "checkpoint_interval=0" in " ".join(scaling.command(two[1], tmp_path))
+    # a resume needs N >= 4 unless asked
+    assert [r.name for r in two] == ["ddp1", "single1", "ddp2", "fsdp2", "large-fsdp2"]
+    assert "checkpoint_interval=0" in " ".join(scaling.command(two[2], tmp_path))
     assert all("ddp_reduce_dtype" not in flags_of(scaling.command(r, tmp_path)) for r in two)
     bf16 = scaling.plan(scaling.parse_args(["--gpus", "4", "--out_dir", str(tmp_path), "--ddp_reduce_dtype",
                                             "bfloat16"]))
@@ -84,13 +86,15 @@ def plan_entry(name, kind, gpus, grad_accum, batch_size=16, **more):
 def test_the_report_computes_efficiency_loss_differences_memory_and_the_resume(tmp_path):
     plan = {"env": {"gpu": "NVIDIA H100 80GB HBM3"}, "gpus": 4,
             "settings": {"model": "GPT-2 124M", "per_gpu": "16 x 1024 tokens", "global_batch": 65536},
-            "runs": [plan_entry("ddp1", "ddp", 1, 4), plan_entry("ddp2", "ddp", 2, 2), plan_entry("ddp4", "ddp", 4, 1),
+            "runs": [plan_entry("ddp1", "ddp", 1, 4), plan_entry("single1", "single", 1, 1),
+                     plan_entry("ddp2", "ddp", 2, 2), plan_entry("ddp4", "ddp", 4, 1),
                      plan_entry("fsdp4", "fsdp", 4, 1),
                      plan_entry("large-fsdp4", "large", 4, 8, batch_size=2, shape="n_layer 48"),
                      plan_entry("resume-ddp2", "resume", 2, 2, from_run="ddp4", from_step=4)]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     # 6 steps each; the first 3 are warmup, and --skip_steps 4 leaves steps 4 and 5 in the medians
     write_run(tmp_path, "ddp1", [5.0, 4.5, 4.0, 3.5, 3.0, 2.5], [1, 1, 1, 100, 200, 300], peak=20.0)
+    write_run(tmp_path, "single1", [5.0, 4.6, 4.2, 3.8, 3.4, 3.0], [1, 1, 1, 1, 190, 210], peak=19.0)
     write_run(tmp_path, "ddp2", [5.0, 4.5, 4.01, 3.5, 3.02, 2.5], [1, 1, 1, 1, 380, 390], peak=21.0)
     write_run(tmp_path, "ddp4", [5.0, 4.49, 4.0, 3.5, 3.0, 2.46], [1, 1, 1, 1, 700, 740], peak=22.0)
     write_run(tmp_path, "fsdp4", [5.0, 4.49, 4.0, 3.5, 3.0, 2.47], [1, 1, 1, 1, 600, 620], peak=11.0)
@@ -103,6 +107,9 @@ def test_the_report_computes_efficiency_loss_differences_memory_and_the_resume(t
     assert rows[1]["tokens_per_s"] == 250 and rows[2]["tokens_per_s"] == 385 and rows[4]["tokens_per_s"] == 720
     assert rows[2]["efficiency"] == pytest.approx(385 / (2 * 250)) and rows[4]["efficiency"] == pytest.approx(0.72)
     assert rows[1]["efficiency"] == 1 and rows[4]["tokens_per_s_per_gpu"] == 180
+    # against one GPU's own step (single1, 200 tokens/s): the update no longer counts against the ranks
+    assert rows[2]["efficiency_per_step"] == pytest.approx(385 / 400) and rows[4]["efficiency_per_step"] == 0.9
+    assert rows[1]["efficiency_per_step"] is None
     assert rows[2]["loss_diff"] == pytest.approx({0: 0, 1: 0, 2: 0.01, 3: 0, 4: 0.02, 5: 0})
     assert rows[2]["max_abs_loss_diff"] == pytest.approx(0.02) and rows[2]["last_loss_diff"] == 0
     assert rows[4]["max_abs_loss_diff"] == pytest.approx(0.04) and rows[4]["last_loss_diff"] == pytest.approx(-0.04)
@@ -121,7 +128,9 @@ def test_the_report_computes_efficiency_loss_differences_memory_and_the_resume(t
 
     md = (tmp_path / "results.md").read_text()
     assert md.startswith("# Scaling on 4 x NVIDIA H100 80GB HBM3")
-    assert "| 4 | 1 | 720 | 180 | 0.72 | 0.04 | -0.04 | 22 | ok |" in md
+    assert "| 4 | 1 | 720 | 180 | 0.72 | 0.9 | 0.04 | -0.04 | 22 | ok |" in md
+    assert "1 GPU's own step (single1: one micro-batch a step, the update every step, as each DDP rank takes them): " \
+           "200 tokens/s, ok." in md
     assert "| fsdp | 610 | 1000 | 11 | ok |" in md and "FSDP2 / DDP: tokens/s 0.847, peak memory 0.5" in md
     assert "| n_layer 48 | 3.84B | 2 x 8 | 60 | 15 | - | 60 | 61.4 | ok |" in md
     assert "A micro-batch of 4 ran out of memory first." in md
@@ -193,9 +202,9 @@ def test_the_runner_halves_a_large_micro_batch_that_ran_out_of_memory_and_hands_
     run_logged, calls = fake_train_py(oom_batches={4})
     monkeypatch.setattr(scaling, "run_logged", run_logged)
     assert scaling.main(["--gpus", "4", "--steps", "6", "--resume_steps", "2", "--out_dir", str(tmp_path)]) == 0
-    assert [c["out_dir"].rsplit("/", 1)[1] for c in calls] == ["ddp1", "ddp2", "ddp4", "fsdp4", "large-fsdp4",
-                                                                "large-fsdp4", "resume-ddp2"]
-    assert (calls[4]["batch_size"], calls[5]["batch_size"]) == ("4", "2")
+    assert [c["out_dir"].rsplit("/", 1)[1] for c in calls] == ["ddp1", "single1", "ddp2", "ddp4", "fsdp4",
+                                                                "large-fsdp4", "large-fsdp4", "resume-ddp2"]
+    assert (calls[5]["batch_size"], calls[6]["batch_size"]) == ("4", "2")
     summary = json.loads((tmp_path / "results.json").read_text())
     assert (summary["large"]["batch_size"], summary["large"]["grad_accum"]) == (2, 8)
     assert summary["large"]["out_of_memory_at"] == [4] and summary["large"]["status"] == "ok"
@@ -223,10 +232,12 @@ def test_the_cpu_rehearsal_writes_every_row(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
     assert {name: run["status"] for name, run in summary["runs"].items()} == {
-        name: "ok" for name in ("ddp1", "ddp2", "fsdp2", "large-fsdp2", "resume-ddp1")}
+        name: "ok" for name in ("ddp1", "single1", "ddp2", "fsdp2", "large-fsdp2", "resume-ddp1")}
     one, two = summary["scaling"]
     assert (one["gpus"], one["grad_accum"], two["gpus"], two["grad_accum"]) == (1, 2, 2, 1)
     assert two["efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * one["tokens_per_s"]))
+    single = summary["runs"]["single1"]["median_tokens_per_s"]
+    assert two["efficiency_per_step"] == pytest.approx(two["tokens_per_s"] / (2 * single))
     # fp32 on the CPU: 2 processes and 1 accumulating agree to rounding; so do FSDP2 and DDP, and the resumed run
     assert list(two["loss_diff"]) == ["0", "1", "2", "3"] and two["max_abs_loss_diff"] < 1e-5
     assert summary["fsdp"]["max_abs_loss_diff"] < 1e-5 and set(summary["fsdp"]["runs"]) == {"ddp", "fsdp"}
