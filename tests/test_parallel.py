@@ -107,13 +107,21 @@ def job_with_a_checkpoint(tmp_path, data_dir, **settings):
     with open(log, "w") as output:
         job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                 str(script), *flags], cwd=ROOT, env=cpu_env(), stdout=output, stderr=subprocess.STDOUT)
+    pids = []
     try:
         wait_for(lambda: (out_dir / "ckpt.pt").exists() or job.poll() is not None, 90)
         assert job.poll() is None and (out_dir / "ckpt.pt").exists(), log.read_text()[-3000:]
-        yield job, [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)], log
+        pids = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]
+        yield job, pids, log
     finally:
         if job.poll() is None:
             job.kill()
+        for pid in pids:  # a test that failed midway leaves no rank behind, least of all a stopped one
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
 
 
 def wait_for(condition, timeout: float) -> float:
