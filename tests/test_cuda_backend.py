@@ -7,6 +7,7 @@ GQA, both head dims, both dtypes, causal or not; the first call's build time is 
 """
 import ast
 import itertools
+import math
 import subprocess
 import sys
 
@@ -186,6 +187,20 @@ def test_custom_scale(scale):
     torch.manual_seed(0)
     assert_matches_fp64(*qkv(1, 2, 2, 300, 300, 64, torch.float16, device="cuda"), causal=True, scale=scale,
                         backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("rise", [1.0, 5.0, 20.0])  # per 32 keys, in base 2: below, near and past RESCALE_SLACK
+@pytest.mark.parametrize("D, causal", [(64, True), (128, False)])
+def test_scores_that_rise_along_the_keys(rise, D, causal):
+    # every row's max grows tile after tile, so the forward's lazy rescale (docs §17) keeps a stale max for some
+    # tiles, with probabilities above 1, and moves it for others
+    torch.manual_seed(0)
+    q, k, v = qkv(1, 2, 2, 500, 500, D, torch.bfloat16, device="cuda")
+    q[..., 0] = 1.0
+    per_key = rise / 32 / math.log2(math.e) * math.sqrt(D)  # the score's rise per key, times 1 / scale
+    k[..., 0] = per_key * torch.arange(500, device="cuda")
+    assert_matches_fp64(q, k, v, causal=causal, backend="cuda")
 
 
 @gpu

@@ -15,6 +15,10 @@ namespace {
 // keys (64 spill: nvcc -Xptxas -v). Shared memory: Q plus two K and two V buffers, (128 + 4 * BLOCK_N) * D * 2 bytes
 // = 48 KiB at D = 64, 64 KiB at D = 128.
 constexpr int FWD_ROW_TILES = 2, FWD_BLOCK_M = 4 * 16 * FWD_ROW_TILES, FWD_THREADS = 128;
+// §17 the lazy rescale: a row's probabilities are taken against a max that may trail the true one by up to this much
+// (base 2), so they stay below 2^8, which float32 sums and the fp16/bf16 operands of P V hold as exactly as values
+// below 1; the accumulator is rescaled only when a tile's max passes it by more
+constexpr float RESCALE_SLACK = 8.f;
 
 template <int D>
 __host__ __device__ constexpr int forward_block_n() {
@@ -123,21 +127,25 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         for (int r = 0; r < 2 * MT; ++r) {
             float(&sr)[BN / 8][4] = s[r / 2];
             const int e0 = 2 * (r % 2);  // the row's two values in each C fragment
-            float m_new = m_run[r];
+            float m_tile = -INFINITY;
 #pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb) m_new = fmaxf(m_new, fmaxf(sr[nb][e0], sr[nb][e0 + 1]));
-            m_new = group_max(m_new);
-            // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes both p and
-            // alpha exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
-            const float m_sub = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = fast_exp2(m_run[r] - m_sub);
-            m_run[r] = m_new;
-            l_run[r] *= alpha;
+            for (int nb = 0; nb < BN / 8; ++nb) m_tile = fmaxf(m_tile, fmaxf(sr[nb][e0], sr[nb][e0 + 1]));
+            m_tile = group_max(m_tile);
+            // §17 the lazy rescale: the reference max moves only when the tile's max passes it by more than
+            // RESCALE_SLACK, and always on the row's first visible key (m is -inf before it: the alpha is then 0)
+            if (m_tile > m_run[r] + RESCALE_SLACK) {
+                const float alpha = fast_exp2(m_run[r] - m_tile);
+                m_run[r] = m_tile;
+                l_run[r] *= alpha;
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                acc[r / 2][dn][e0] *= alpha;
-                acc[r / 2][dn][e0 + 1] *= alpha;
+                for (int dn = 0; dn < D / 8; ++dn) {
+                    acc[r / 2][dn][e0] *= alpha;
+                    acc[r / 2][dn][e0 + 1] *= alpha;
+                }
             }
+            // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes p
+            // exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
+            const float m_sub = m_run[r] == -INFINITY ? 0.f : m_run[r];
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
