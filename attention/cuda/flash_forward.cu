@@ -19,6 +19,12 @@ constexpr int FWD_ROW_TILES = 2, FWD_BLOCK_M = 4 * 16 * FWD_ROW_TILES, FWD_THREA
 // (base 2), so they stay below 2^8, which float32 sums and the fp16/bf16 operands of P V hold as exactly as values
 // below 1; the accumulator is rescaled only when a tile's max passes it by more
 constexpr float RESCALE_SLACK = 8.f;
+// At D = 128 (32-key tiles) the rescale is four multiplies per score and skipping it pays; at D = 64 (64-key tiles)
+// it is one, less than the branch costs when a warp's rows disagree, so m stays the exact max there (§17)
+template <int D>
+__host__ __device__ constexpr bool lazy_rescale() {
+    return D == 128;
+}
 
 template <int D>
 __host__ __device__ constexpr int forward_block_n() {
@@ -131,11 +137,13 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) m_tile = fmaxf(m_tile, fmaxf(sr[nb][e0], sr[nb][e0 + 1]));
             m_tile = group_max(m_tile);
+            const float m_new = fmaxf(m_run[r], m_tile);
             // §17 the lazy rescale: the reference max moves only when the tile's max passes it by more than
-            // RESCALE_SLACK, and always on the row's first visible key (m is -inf before it: the alpha is then 0)
-            if (m_tile > m_run[r] + RESCALE_SLACK) {
-                const float alpha = fast_exp2(m_run[r] - m_tile);
-                m_run[r] = m_tile;
+            // RESCALE_SLACK, and always on the row's first visible key; §8 fully-masked rows: while m_new is -inf,
+            // subtracting 0 makes alpha exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
+            if (!lazy_rescale<D>() || m_tile > m_run[r] + RESCALE_SLACK) {
+                const float alpha = fast_exp2(m_run[r] - (m_new == -INFINITY ? 0.f : m_new));
+                m_run[r] = m_new;
                 l_run[r] *= alpha;
 #pragma unroll
                 for (int dn = 0; dn < D / 8; ++dn) {
@@ -143,8 +151,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
                     acc[r / 2][dn][e0 + 1] *= alpha;
                 }
             }
-            // §8 fully-masked rows: while the row has seen no key, m is -inf; subtracting 0 instead makes p
-            // exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
+            // §8 the same for p while the row has seen no key
             const float m_sub = m_run[r] == -INFINITY ? 0.f : m_run[r];
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {
