@@ -12,7 +12,8 @@ change in a new Triton, or a change that makes a kernel spill, fails there.
     python -m benchmarks.hopper_build --terms alibi --causal        # ALiBi's causal build (its bias folded, §15)
 
 The causal mask and the grid (persistent or not) are arguments of the launch, not of the build, except for ALiBi:
-under the causal mask its bias is folded (§15), a build of its own (--causal).
+its bias is folded under the causal mask (--causal) and per key tile on full attention in the forward (§15), a build
+each.
 
 One JSON line per build. Runs compiled (not under TRITON_INTERPRET): Triton decides when it is imported.
 """
@@ -108,7 +109,8 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
           causal: bool = False):
     """The forward for bf16 inputs; tile: (BLOCK_N, K_STAGES, V_STAGES, CONSUMERS); documents: §14's document mode
     ("documents") or spans alone ("spans", §11), or None; terms: §15's to build in (of TERMS); causal: with ALiBi, the
-    causal call's build (ALIBI_CAUSAL: the bias folded), which other builds do not depend on."""
+    causal call's build (ALIBI_CAUSAL: the bias folded), else the full-attention one (ALIBI_FULL: folded per key
+    tile); other builds do not depend on it."""
     block_n, k_stages, v_stages, consumers = tile
     launch_regs, consumer_regs = shapes.REGS[consumers]
     doc_signature, doc_constants = _document_args(documents)
@@ -122,7 +124,8 @@ def build(head_dim: int, tile: tuple[int, int, int, int], documents: str | None 
     term_signature, term_constants = _term_args(terms)
     return _compile(gluon_forward.attn_fwd_ws, {**signature, **term_signature, **KEY_SIZES},
                     dict(BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages, CONSUMERS=consumers,
-                         CONSUMER_REGS=consumer_regs, ALIBI_CAUSAL=causal and "alibi" in terms, **doc_constants,
+                         CONSUMER_REGS=consumer_regs, ALIBI_CAUSAL=causal and "alibi" in terms,
+                         ALIBI_FULL=not causal and "alibi" in terms, **doc_constants,
                          **gathered_constants, **term_constants), launch_regs)
 
 

@@ -65,6 +65,14 @@ def alibi_causal(causal: bool, term_args: tuple, row_src) -> dict:
     return dict(ALIBI_CAUSAL=True) if causal and slopes is not None and row_src is None else {}
 
 
+def alibi_full(causal: bool, term_args: tuple, row_src) -> dict:
+    """§15 the forward's ALIBI_FULL switch: {ALIBI_FULL: True} for a call with ALiBi slopes and no causal mask (not a
+    gathered problem's), whose build folds the bias per key tile (gluon_softmax.mirrored_terms); no constant
+    otherwise."""
+    slopes = term_args[1] if len(term_args) > 1 else None
+    return dict(ALIBI_FULL=True) if not causal and slopes is not None and row_src is None else {}
+
+
 def key_problem(k: torch.Tensor, gathered: bool, key_tile: int) -> tuple[int, int, tuple[int, int]]:
     """-> (Hkv, Tk, (KEY_HEADS, KEY_T)) of the kernels' keys: k's own heads and length; or for a gathered problem
     (§11 "Keys read where they are") one sequence of k's (B, Hkv, T) rows, which the producers map back to k's place
@@ -121,7 +129,7 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
             *key_sizes)
     first = launch(attn_fwd_ws, (programs,), args, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
                    CONSUMERS=consumers, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=launch_regs,
-                   **alibi_causal(causal, term_args, row_src))
+                   **alibi_causal(causal, term_args, row_src), **alibi_full(causal, term_args, row_src))
     if row_src is not None:
         return Launched(first.compiled, None)
     values = term_values(term_args)

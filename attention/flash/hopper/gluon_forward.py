@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .gluon_common import document_span, gather_rows, key_block, row_sources, tma_load, tma_store
 from .gluon_softmax import (acc_layout, alibi_rows, alibi_slope, first_key_tile, fold_sink, item_rows, k_done,
-                            score_half_tile, scored_tile, softmax_step, v_slot_of, wait_tile)
+                            mirrored_tile, score_half_tile, scored_tile, softmax_step, v_slot_of, wait_tile)
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
 
 
@@ -166,12 +166,13 @@ def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
                   diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                  SINK_LOGITS, stride_sinks, CAUSAL_SLOPES):
+                  SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
     """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
     and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
     attn_fwd_ws found no room for staging tiles, from registers (O and its strides). §15 softcap, SLOPES and
     SINK_LOGITS (with their strides): FlashAttention's terms, each None where the call has none (attn_fwd_ws);
-    CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask (tile_terms' FOLD), else None."""
+    CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask (tile_terms' FOLD), else None;
+    FULL_SLOPES: SLOPES again where it is folded on full attention (mirrored_terms), else None."""
     K_STAGES: gl.constexpr = k_smem.shape[0]
     V_STAGES: gl.constexpr = v_smem.shape[0]
     SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
@@ -187,8 +188,10 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     # sink joins each row's denominator after the last tile (fold_sink)
     SINKS: gl.constexpr = SINK_LOGITS is not None
     # ALiBi under the causal mask: the scores take the bias's key part alone, and its row part, a constant of the
-    # row, comes off m at the end (alibi_rows), so lse is the true one
+    # row, comes off m at the end (alibi_rows), so lse is the true one. On full attention (FULL) the key tiles left
+    # or right of the rows take their own key part, and their row part moves m's reference per tile (mirrored_terms)
     FOLD: gl.constexpr = CAUSAL_SLOPES is not None
+    FULL: gl.constexpr = FULL_SLOPES is not None
     o_layout: gl.constexpr = acc_layout(HEAD_DIM)  # wgmma's accumulator layouts: O's, and S's (acc_layout(BLOCK_N))
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
@@ -224,7 +227,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         # another order ptxas allocates the document builds otherwise
         k_slot, m_i, p, l_i = first_key_tile(q, k_smem, k_ready, k_empty, seen_tiles, first_tile, first_row,
                                              bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope,
-                                             SPANS, IDS, stride_ids, SPLIT, FOLD)
+                                             SPANS, IDS, stride_ids, SPLIT, FOLD, FULL)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         for j in range(first_tile + 1, n_full):
             # kept inline: as a helper (K_j's wait to the softmax step), its own instructions open the loop body at
@@ -239,9 +242,14 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_token])  # S_j is ready; P_{j-1} V_{j-1} may still be running
             k_done(k_empty, k_slot, SPLIT)
-            s = scored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap,
-                            slope, SPANS, IDS, stride_ids, FOLD)
-            p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
+            if FULL:
+                s, row_shift = mirrored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
+                                             qk_scale, softcap, slope, SPANS, IDS, stride_ids)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, row_shift)
+            else:
+                s = scored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale,
+                                softcap, slope, SPANS, IDS, stride_ids, FOLD)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, None)
             # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
             # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
             # tensor cores fed for each other (§12 "Overlap inside a consumer")
@@ -258,7 +266,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             # diagonal")
             k_slot, v_slot, o_token, p_half, alpha, m_half, l_half = score_half_tile(
                 ring0 + n_full, n_full, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready,
-                first_row, bh, H, diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT, FOLD)
+                first_row, bh, H, diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT, FOLD, FULL)
             m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
             acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(v_empty.index(v_slot), count=1)
@@ -284,7 +292,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 
         # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
         l_o = gl.convert_layout(l_i, o_rows)
-        if FOLD:  # §15 m less each row's part of ALiBi's bias: the true one, for the sink and lse
+        if FOLD or FULL:  # §15 m less each row's part of ALiBi's bias: the true one, for the sink and lse
             m_i = gl.convert_layout(m_i, o_rows) - alibi_rows(slope, qk_scale, o_rows)
         if SINKS:  # §15 the head's sink joins the denominator: l, m and O as if a key of score sink, value 0, came last
             acc, l_o, m_i = fold_sink(acc, l_o, gl.convert_layout(m_i, o_rows),
@@ -319,31 +327,31 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES):
+                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES)
+                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES):
+                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES)
+                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES):
+                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES)
+                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
@@ -351,7 +359,7 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
                  T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks, KEY_HEADS,
                  KEY_T, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                  V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 ALIBI_CAUSAL: gl.constexpr = False):
+                 ALIBI_CAUSAL: gl.constexpr = False, ALIBI_FULL: gl.constexpr = False):
     """Sets up the shared memory and barriers, then splits into the producer and the consumers, which
     walk the same work items: n_work = (64 * CONSUMERS)-row query tiles x batch*head, a program taking per_turn
     consecutive ones per turn (`_items`; a program per item, or a persistent grid walking pairs: forward()).
@@ -362,7 +370,8 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
     §15 FlashAttention's terms, each None (a constant: the build is the one without it) where the call has none:
     softcap (a float > 0), SLOPES (B or 1, H) float32 ALiBi slopes with their strides, SINK_LOGITS (H,) a sink
     logit per head with its stride (_softmax_rows). ALIBI_CAUSAL: the call is causal (diag = Tk - Tq) and has
-    SLOPES: ALiBi is folded (tl_tiles.score_terms' ALIBI_FOLD; the launch passes it only then)."""
+    SLOPES: ALiBi is folded (tl_tiles.score_terms' ALIBI_FOLD; the launch passes it only then). ALIBI_FULL: a call
+    with SLOPES and no causal mask: ALiBi folded per key tile (gluon_softmax.mirrored_terms)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     n_m_tiles = gl.cdiv(Tq, CONSUMERS * ROWS)
     # K and V share a layout: the same block shape, swizzled for wgmma; 2-D views of the 4-D TMA blocks
@@ -408,10 +417,14 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
         causal_slopes = SLOPES
     else:
         causal_slopes: gl.constexpr = None
+    if ALIBI_FULL:  # the same on full attention, folded per key tile (ALIBI_FULL)
+        full_slopes = SLOPES
+    else:
+        full_slopes: gl.constexpr = None
     consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                      scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, SINK_LOGITS, stride_sinks, causal_slopes)
+                     stride_slopes_h, SINK_LOGITS, stride_sinks, causal_slopes, full_slopes)
     producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
                      stride_qh, stride_qt, H_src, T_src, KEY_HEADS, KEY_T)

@@ -56,6 +56,28 @@ def tile_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout:
     return s
 
 @gluon.jit
+def mirrored_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr):
+    """§15 softcap and ALiBi folded on full attention (ALIBI_FULL) on the scores s (ROWS, N) of the key tile at start_n,
+    by where its keys lie against the rows' positions o + i (o = first_row + shift, §6): left of every row, the bias's
+    key part slope * (key - o) alone, as tile_terms' FOLD; right of every row, -slope * (key - o); across the rows, the
+    whole bias -slope * |o + i - key|. Row i's scores then exceed its true ones by slope * i, -slope * i and 0.
+    -> (s, the row shift in base 2 that brings them to the causal fold's slope * i, alibi_rows: 0, 2 and 1 times
+    slope * qk_scale * i), for softmax_step."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    o = first_row + shift
+    i = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
+    keys = (start_n - o) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,) past o
+    row_unit = (slope * qk_scale) * i.to(gl.float32)
+    left = start_n + BLOCK_N - 1 <= o
+    if left | (start_n >= o + ROWS - 1):  # left or right of every row: one add per score
+        s = score_terms(s, None, keys[None, :], qk_scale, softcap, gl.where(left, slope, -slope))[0]
+        row_shift = row_unit * gl.where(left, 0.0, 2.0)
+    else:  # the tiles across the rows' positions
+        s = score_terms(s, i[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+        row_shift = row_unit
+    return s, row_shift
+
+@gluon.jit
 def alibi_rows(slope, qk_scale, rows_layout: gl.constexpr):
     """§15 ALiBi folded under the causal mask (tile_terms' FOLD): what the folded scores of a warpgroup's rows
     exceed their true ones by, in base 2 as m holds them: slope * qk_scale * i for row first_row + i (ROWS,)."""
@@ -74,12 +96,19 @@ def fold_sink(acc, l_i, m_i, sink):
     return acc * alpha[:, None], l_i * alpha + gl.exp2(sink2 - m_ref), m_new
 
 @gluon.jit
-def softmax_step(s, m_i, l_i, qk_scale):
+def softmax_step(s, m_i, l_i, qk_scale, row_shift):
     """§2 the online softmax over one key tile's scores s (ROWS, N), as in tl_forward.fwd_tile: -> P, alpha
-    (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are."""
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are.
+    row_shift: what to add to each row's scores in base 2 for m's frame (mirrored_terms), or None."""
+    tile_max = gl.max(s, 1) * qk_scale
+    if row_shift is not None:
+        tile_max = tile_max + row_shift
+    m_new = gl.maximum(m_i, tile_max)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # §8 rows that have seen no key yet
-    p = gl.exp2(s * qk_scale - m_ref[:, None])
+    m_sub = m_ref
+    if row_shift is not None:
+        m_sub = m_ref - row_shift
+    p = gl.exp2(s * qk_scale - m_sub[:, None])
     alpha = gl.exp2(m_i - m_ref)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -189,26 +218,45 @@ def scored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, T
     return s
 
 @gluon.jit
+def mirrored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope, SPANS,
+                  IDS, stride_ids):
+    """scored_tile with ALiBi folded on full attention (ALIBI_FULL): -> (the scores, their row shift), mirrored_terms."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = acc_layout(BLOCK_N)
+    s, row_shift = mirrored_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout)
+    if needs_mask(start_n, mask_from, every_from, BLOCK_N, SPANS is not None):
+        s = mask_keys(s, first_row, start_n, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
+    return s, row_shift
+
+@gluon.jit
 def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
-                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr, FOLD: gl.constexpr):
+                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr, FOLD: gl.constexpr,
+                   FULL: gl.constexpr):
     """The item's first key tile alone (its key tile first_tile, ring tile number t): S and its softmax, nothing
-    to rescale yet. -> (its K slot, the running max, P, the running sum)."""
+    to rescale yet. FULL: ALiBi folded on full attention (mirrored_tile). -> (its K slot, the running max, P, the
+    running sum)."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     k_slot = wait_tile(k_smem, k_ready, t)
     s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
                             gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout(BLOCK_N)), use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
     k_done(k_empty, k_slot, SPLIT)
-    s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap,
-                    slope, SPANS, IDS, stride_ids, FOLD)
-    m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
-    p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    if FULL:
+        s, row_shift = mirrored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
+                                     qk_scale, softcap, slope, SPANS, IDS, stride_ids)
+        m_i = gl.max(s, 1) * qk_scale + row_shift
+        p = gl.exp2(s * qk_scale - (gl.where(m_i == float("-inf"), 0.0, m_i) - row_shift)[:, None])
+    else:
+        s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale,
+                        softcap, slope, SPANS, IDS, stride_ids, FOLD)
+        m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+        p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     return k_slot, m_i, p, gl.sum(p, 1)
 
 @gluon.jit
 def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready, first_row, bh, H,
                     diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr,
-                    FOLD: gl.constexpr):
+                    FOLD: gl.constexpr, FULL: gl.constexpr):
     """A last key tile j (ring tile number t) taken by its first half, its second lying past every row's last key:
     S over the first half only (N/2 columns) issued together with P_{j-1} V_{j-1} (k_slot: K_{j-1}'s), always
     masked, in its own layout (acc_layout(N/2)), and its softmax while the P V may still run.
@@ -228,9 +276,13 @@ def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty,
     o_token = warpgroup_mma(p_op, v_smem.index(v_slot), acc, is_async=True)
     s_half = warpgroup_mma_wait(1, deps=[half_token])
     k_done(k_empty, k_slot, SPLIT)
-    if softcap is not None or slope is not None:
+    row_shift = None  # as in _softmax_rows: without ALiBi's full fold
+    if FULL:
+        s_half, row_shift = mirrored_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope,
+                                           half_layout)
+    elif softcap is not None or slope is not None:
         s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout, FOLD)
     s_half = mask_keys(s_half, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, half_layout)
     p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
-                                                 gl.convert_layout(l_i, half_rows), qk_scale)
+                                                 gl.convert_layout(l_i, half_rows), qk_scale, row_shift)
     return k_slot, v_slot, o_token, p_half, alpha, m_half, l_half
