@@ -1,8 +1,8 @@
 """GPT-2 BPE through tiktoken, giving the uint16 token arrays that shards store. The BPE ships with the repository
-(data/assets/gpt2_encoder.json.bz2, OpenAI's encoder.json compressed), so tokenizing never needs the network."""
+(data/assets/gpt2_encoder.json.xz, OpenAI's encoder.json compressed), so tokenizing never needs the network."""
 import functools
-import bz2
 import json
+import lzma
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +11,7 @@ from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer pat
 
 EOT_TOKEN = 50256  # <|endoftext|>: marks the start of each document in the token stream
 UINT16_LIMIT = 2**16
-ENCODER_JSON = Path(__file__).parent / "assets" / "gpt2_encoder.json.bz2"  # shipped compressed: a small repository
+ENCODER_JSON = Path(__file__).parent / "assets" / "gpt2_encoder.json.xz"  # shipped compressed: a small repository
 
 
 @functools.cache
@@ -22,7 +22,7 @@ def get_encoding() -> tiktoken.Encoding:
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-    encoder = json.loads(bz2.decompress(ENCODER_JSON.read_bytes()).decode("utf-8"))
+    encoder = json.loads(lzma.decompress(ENCODER_JSON.read_bytes()).decode("utf-8"))
     ranks = {bytes(byte_of[c] for c in token): rank for token, rank in encoder.items() if rank != EOT_TOKEN}
     return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": EOT_TOKEN}, explicit_n_vocab=EOT_TOKEN + 1)
