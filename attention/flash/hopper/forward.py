@@ -69,8 +69,7 @@ def alibi_full(causal: bool, term_args: tuple, row_src) -> dict:
     """§15 the forward's ALIBI_FULL switch: {ALIBI_FULL: True} for a call with ALiBi slopes and no causal mask (not a
     gathered problem's), whose build folds the bias per key tile (gluon_softmax.mirrored_terms); no constant
     otherwise."""
-    slopes = term_args[1] if len(term_args) > 1 else None
-    return dict(ALIBI_FULL=True) if not causal and slopes is not None and row_src is None else {}
+    return dict(ALIBI_FULL=True) if not causal and alibi_causal(True, term_args, row_src) else {}
 
 
 def key_problem(k: torch.Tensor, gathered: bool, key_tile: int) -> tuple[int, int, tuple[int, int]]:

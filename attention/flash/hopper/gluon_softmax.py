@@ -241,16 +241,20 @@ def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H,
                             gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout(BLOCK_N)), use_acc=False, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_token])  # (ROWS, N)
     k_done(k_empty, k_slot, SPLIT)
+    row_shift = None  # (as softmax_step takes it)
     if FULL:
         s, row_shift = mirrored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
                                      qk_scale, softcap, slope, SPANS, IDS, stride_ids)
-        m_i = gl.max(s, 1) * qk_scale + row_shift
-        p = gl.exp2(s * qk_scale - (gl.where(m_i == float("-inf"), 0.0, m_i) - row_shift)[:, None])
     else:
         s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale,
                         softcap, slope, SPANS, IDS, stride_ids, FOLD)
-        m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
-        p = gl.exp2(s * qk_scale - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+    if row_shift is not None:
+        m_i = m_i + row_shift
+    m_sub = gl.where(m_i == float("-inf"), 0.0, m_i)
+    if row_shift is not None:
+        m_sub = m_sub - row_shift
+    p = gl.exp2(s * qk_scale - m_sub[:, None])
     return k_slot, m_i, p, gl.sum(p, 1)
 
 @gluon.jit
