@@ -3,6 +3,7 @@ draw another mask), so the kernels are checked through the debug path: dropout.r
 and dropout.keep_mask the mask that seed gives; the reference is the naive backend in float64 with that mask applied,
 judged by the naive backend in the call's dtype with the same mask (helpers.py's criterion). Then: seeds reproduce
 under torch.manual_seed and differ from call to call, the keep rate is 1 - p, dropout_p=0 is the plain kernels."""
+import numpy as np
 import pytest
 import torch
 from helpers import assert_errors_within, packed_document_ids, qkv, registered_backend, whole_paths
@@ -89,8 +90,8 @@ def test_triton_dropout_with_every_term_matches_fp64():
 
 
 def test_triton_varlen_dropout_matches_fp64_with_its_mask():
-    # the varlen kernels count the packed rows and each sequence's own keys: sequence i's mask is its rows of
-    # keep_mask's (1, H, total_q, total_k), its first seq_k columns
+    # the varlen kernels count each sequence's rows and keys from its own first: varlen_keep_mask gives each
+    # sequence's block (lengths not multiples of 16, so the later sequences' patches start mid-way through a 16)
     from attention.reference.naive import naive_attention
 
     _, dropout = _flash()
@@ -104,13 +105,13 @@ def test_triton_varlen_dropout_matches_fp64_with_its_mask():
     with dropout.recording() as seeds:
         ours = _out_and_grads(lambda q, k, v: attention_varlen(q, k, v, cu_q, cu_k, 30, 30, dropout_p=p, causal=True),
                               (q, k, v), do)
-    keep = dropout.keep_mask(seeds[0], 1, 4, q.shape[0], k.shape[0], p)[0]
+    keep = dropout.varlen_keep_mask(seeds[0], 4, cu_q, cu_k, p)
 
     def reference(q, k, v):
         pieces = []
         for (q0, q1), (k0, k1) in zip(zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])):
             sq, sk, sv = (t[a:b].transpose(0, 1)[None] for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1)))
-            y = naive_attention(sq, sk, sv, True, 16 ** -0.5, dropout_p=p, keep=keep[None, :, q0:q1, :k1 - k0])
+            y = naive_attention(sq, sk, sv, True, 16 ** -0.5, dropout_p=p, keep=keep[None, :, q0:q1, k0:k1])
             pieces.append(y[0].transpose(0, 1))
         return torch.cat(pieces)
 
@@ -159,6 +160,35 @@ def test_keep_rate_is_one_minus_p_and_counters_differ_per_score():
     assert not torch.equal(keep[0], keep[1]) and not torch.equal(keep[0, 0], keep[0, 1])
     assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
     assert not torch.equal(keep, dropout.keep_mask(seed + 1, 2, 3, 64, 200, 0.5))
+
+
+def _philox4x32(seed: int, counters: np.ndarray, rounds: int) -> np.ndarray:
+    """Philox-4x32 (Salmon et al. 2011) of counters (..,) uint64 with (lo, hi, 0, 0) words, keyed by the seed's two
+    halves: -> (4, ..) uint32, written from the paper to check the kernels' draws against."""
+    mask = np.uint64(0xFFFFFFFF)
+    c = [counters & mask, counters >> np.uint64(32), np.zeros_like(counters), np.zeros_like(counters)]
+    k0, k1 = np.uint64(seed) & mask, np.uint64(seed) >> np.uint64(32)
+    mul_a, mul_b = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    for _ in range(rounds):
+        prod_a, prod_b = mul_a * c[0], mul_b * c[2]  # 64-bit products of 32-bit words
+        c = [(prod_b >> np.uint64(32)) ^ c[1] ^ k0, prod_b & mask, (prod_a >> np.uint64(32)) ^ c[3] ^ k1, prod_a & mask]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return np.stack(c).astype(np.uint32)
+
+
+def test_keep_mask_is_philox_over_patches_of_four_scores():
+    # §16's scheme, computed here from its definition: rows {a, a + 8} by columns {c, c + 8} share the Philox draw of
+    # counter (row0 + a) * n_cols + c, one word a score; the Hopper kernels must draw the same
+    _, dropout = _flash()
+    seed, B, H, Tq, Tk, p = 987654321987, 2, 3, 40, 56, 0.3
+    keep = dropout.keep_mask(torch.tensor([seed]), B, H, Tq, Tk, p).numpy()
+    bh, r, j = np.meshgrid(np.arange(B * H), np.arange(Tq), np.arange(Tk), indexing="ij")
+    a, c = 16 * (r // 16) + r % 8, 16 * (j // 16) + j % 8
+    counters = ((bh * Tq + a) * Tk + c).astype(np.uint64)
+    words = _philox4x32(seed, counters, rounds=7)
+    word = np.take_along_axis(words, (2 * ((r // 8) % 2) + (j // 8) % 2)[None], 0)[0]
+    expected = (word >> 16) >= int(p * 65536)
+    assert np.array_equal(keep.reshape(B * H, Tq, Tk), expected)
 
 
 def test_dropout_p_zero_is_the_plain_kernel_bit_for_bit():

@@ -10,6 +10,7 @@ The debug path, for tests:
     with recording() as seeds:
         y = attention(q, k, v, backend="triton", dropout_p=0.1)
     keep = keep_mask(seeds[0], B, Hq, Tq, Tk, 0.1)   # (B, Hq, Tq, Tk) bool, the mask that call used
+    keep = varlen_keep_mask(seeds[0], Hq, cu_seqlens_q, cu_seqlens_k, 0.1)  # a varlen call's (Hq, total_q, total_k)
 """
 import contextlib
 
@@ -40,13 +41,30 @@ def recording():
 
 def keep_mask(seed: torch.Tensor, B: int, H: int, Tq: int, Tk: int, dropout_p: float) -> torch.Tensor:
     """(B, H, Tq, Tk) bool, True where a dense call of these sizes with this seed keeps a probability (§16), from the
-    kernels' own counters (tl_tiles.py: dropout_mask). A varlen call's mask is keep_mask(seed, 1, H, total_q, total_k,
-    p): sequence i's block is rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], its first cu_seqlens_k[i + 1] -
-    cu_seqlens_k[i] columns (the kernels count each sequence's keys from 0)."""
+    kernels' own counters (tl_tiles.py: dropout_mask)."""
     import triton
 
     from .tl_tiles import dropout_mask
 
     keep = torch.empty(B, H, Tq, Tk, dtype=torch.int8, device=seed.device)
-    dropout_mask[(triton.cdiv(Tq, 16), B * H)](keep, seed, H, Tq, Tk, float(dropout_p), BLOCK_M=16, BLOCK_N=64)
+    dropout_mask[(triton.cdiv(Tq, 16), B * H)](keep, seed, None, None, H, Tq, Tk, float(dropout_p), VARLEN=False,
+                                               BLOCK_M=16, BLOCK_N=64)
+    return keep.bool()
+
+
+def varlen_keep_mask(seed: torch.Tensor, H: int, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     dropout_p: float) -> torch.Tensor:
+    """(H, total_q, total_k) bool: a varlen call's keep mask, sequence i's block (rows cu_seqlens_q[i]:[i + 1],
+    columns cu_seqlens_k[i]:[i + 1]) as the kernels draw it, False elsewhere. The kernels count each sequence's rows
+    and keys from its own first, where its patches of scores (§16) start."""
+    import triton
+
+    from .tl_tiles import dropout_mask
+
+    total_q, total_k = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+    keep = torch.zeros(H, total_q, total_k, dtype=torch.int8, device=seed.device)
+    longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    grid = (triton.cdiv(longest, 16), (len(cu_seqlens_q) - 1) * H)
+    dropout_mask[grid](keep, seed, cu_seqlens_q.to(seed.device), cu_seqlens_k.to(seed.device), H, total_q, total_k,
+                       float(dropout_p), VARLEN=True, BLOCK_M=16, BLOCK_N=64)
     return keep.bool()

@@ -332,33 +332,45 @@ def dropout_first(SEED, b, h, H, n_rows, q_start, VARLEN: tl.constexpr):
 
 @triton.jit
 def dropout_keep(seed, row0, rows, k_pos, n_cols, dropout_p):
-    """§16: (M, N) True where score (rows, k_pos) is kept: rows (M, 1) the queries' rows from row0, k_pos (N,) a key
-    tile's columns (a sequence's own for varlen), its first a multiple of 8. Each group of 8 columns of a row has one
-    counter, (row0 + row) * cdiv(n_cols, 8) + column // 8, the same in every kernel whatever its tiles; one Philox
-    draw of it (tl.randint4x: four 32-bit words) gives the group's 8 scores a 16-bit value each, kept at or above
-    dropout_p * 2^16, so with probability 1 - dropout_p (to within 2^-16)."""
+    """§16: (M, N) True where score (rows, k_pos) is kept: rows (M, 1) a query tile's rows counted from row0, k_pos
+    (N,) a key tile's columns (a sequence's own for varlen), each tile's first a multiple of 16. The scores come in
+    patches of four, rows {a, a + 8} by columns {c, c + 8} with a and c in the first half of their 16: the four
+    values one thread holds of an MMA accumulator, whether the tile is S (queries by keys) or Sᵀ (keys by queries,
+    the Hopper backward), so every kernel draws each patch once. Patch (a, c) has the counter (row0 + a) * n_cols
+    + c; one Philox draw of it (seven rounds, as FlashAttention-2's) gives four 32-bit words, one a score, kept
+    where its high 16 bits are at or above dropout_p * 2^16: with probability 1 - dropout_p, to within 2^-16."""
     M: tl.constexpr = rows.shape[0]
     N: tl.constexpr = k_pos.shape[0]
-    groups = tl.min(k_pos, 0) // 8 + tl.arange(0, N // 8)  # (N / 8,)
-    counters = (row0 + rows.to(tl.int64)) * tl.cdiv(n_cols, 8) + groups[None, :]  # (M, N / 8)
-    r0, r1, r2, r3 = tl.randint4x(seed, counters)
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (M, N / 8, 2, 2)
-    values = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (M, N))  # 8 16-bit values per group
-    return values >= tl.cast(dropout_p * 65536.0, tl.uint32)
+    i = tl.arange(0, M // 2)
+    j = tl.arange(0, N // 2)
+    a = tl.min(rows) + (i // 8) * 16 + i % 8  # (M / 2,) the patches' first rows
+    c = tl.min(k_pos, 0) + (j // 8) * 16 + j % 8  # (N / 2,) and first columns
+    counters = (row0 + a.to(tl.int64))[:, None] * n_cols + c[None, :]  # (M / 2, N / 2)
+    w0, w1, w2, w3 = tl.randint4x(seed, counters, 7)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (M / 2, N / 2, column half, row half)
+    words = tl.reshape(words, (M // 16, 8, N // 16, 8, 2, 2))
+    words = tl.reshape(tl.permute(words, (0, 5, 1, 2, 4, 3)), (M, N))  # row = 16 * . + 8 * half + ., columns alike
+    return (words >> 16) >= tl.cast(dropout_p * 65536.0, tl.uint32)
 
 
 @triton.jit
-def dropout_mask(KEEP, SEED, H, n_rows, n_cols, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """§16 the debug path (flash/dropout.py:keep_mask): the keep mask a seed gives a dense call's (B, H, n_rows,
-    n_cols) scores, or a varlen call's (1, H, total_q, total_k), written as bytes, by the kernels' own counters. A
-    program per (row tile, batch * head), looping over the columns."""
+def dropout_mask(KEEP, SEED, CU_SEQLENS_Q, CU_SEQLENS_K, H, n_rows, n_cols, dropout_p, VARLEN: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """§16 the debug path (flash/dropout.py): the keep mask a seed gives a dense call's (B, H, n_rows, n_cols)
+    scores, or a varlen call's (H, total_q, total_k), each sequence's block of it (the rest untouched), by the
+    kernels' own counters. A program per (row tile, batch entry * head), looping over the columns."""
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    seed, row0 = dropout_first(SEED, b, h, H, n_rows, 0, False)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (M, 1)
-    KEEP += bh.to(tl.int64) * n_rows * n_cols
-    for start_n in range(0, n_cols, BLOCK_N):
+    q_start, k_start, seq_q, seq_k = sequence_bounds(CU_SEQLENS_Q, CU_SEQLENS_K, b, n_rows, n_cols, VARLEN)
+    seed, row0 = dropout_first(SEED, b, h, H, n_rows, q_start, VARLEN)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (M, 1), the sequence's own
+    if VARLEN:
+        KEEP += (h.to(tl.int64) * n_rows + q_start) * n_cols + k_start
+    else:
+        KEEP += bh.to(tl.int64) * n_rows * n_cols
+    for start_n in range(0, seq_k, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)  # (N,)
         keep = dropout_keep(seed, row0, rows, cols, n_cols, dropout_p)
         tl.store(KEEP + rows.to(tl.int64) * n_cols + cols[None, :], keep.to(tl.int8),
-                 mask=(rows < n_rows) & (cols[None, :] < n_cols))
+                 mask=(rows < seq_q) & (cols[None, :] < seq_k))
+
