@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from attention import attention, attention_qkvpacked, attention_varlen, get_backend, register_backend
@@ -420,3 +421,25 @@ def assert_compiled_like_eager(fn, inputs, tol):
 
     for eager, compiled in zip(run(fn), run(torch.compile(fn, fullgraph=True))):
         torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+
+
+def spy_on_hopper_kernels(monkeypatch) -> list:
+    """Record each launch of the Hopper forward and backward (their whole path: a plan's repeats are not recorded) as
+    (kind, its term_args, its documents), and let it run; skip where they cannot run (an sm_90 GPU, Gluon)."""
+    from attention.flash import device
+    from attention.flash.hopper import backward as hopper_backward
+    from attention.flash.hopper import forward as hopper_forward
+
+    if not (device.HAS_GLUON and device.is_hopper(torch.device("cuda"))):
+        pytest.skip("the Hopper kernels run on an sm_90 GPU")
+    taken = []
+
+    def spy(kind, launch):
+        def recorded(*args, **kwargs):
+            taken.append((kind, kwargs.get("term_args"), args[12] if kind == "bwd" and len(args) > 12
+                          else args[8] if kind == "fwd" and len(args) > 8 else None))
+            return launch(*args, **kwargs)
+        return recorded
+    monkeypatch.setattr(hopper_forward, "forward", spy("fwd", hopper_forward.forward))
+    monkeypatch.setattr(hopper_backward, "backward", spy("bwd", hopper_backward.backward))
+    return taken

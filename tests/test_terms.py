@@ -287,8 +287,8 @@ class HopperRan(Exception):
 
 def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
     # dispatch sends softcap, ALiBi and sinks to the Hopper kernels on an sm_90 GPU (its capability mocked here, the
-    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments; dropout, a value head dim of its own
-    # and varlen calls with a term stay on the `tl` kernels
+    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments, and dropout to the Hopper forward; the
+    # backward with dropout, a value head dim of its own and varlen calls with a term stay on the `tl` kernels
     from attention.flash import dispatch
     from attention.flash.hopper import backward as hopper_backward
     from attention.flash.hopper import forward as hopper_forward
@@ -296,7 +296,7 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
 
     taken = []
 
-    def fake_forward(q, k, v, o, lse, causal, scale, tile, documents=None, row_src=None, term_args=(None,) * 6):
+    def fake_forward(q, k, v, o, lse, causal, scale, tile, documents=None, row_src=None, term_args=(None,) * 8):
         taken.append(("fwd", term_args))
         o.zero_(), lse.zero_()
         return Launched(None, lambda *call: None)
@@ -332,7 +332,7 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
         if "sinks" in terms:  # the forward folds them in
             assert torch.equal(taken[0][1][4], sinks) and taken[0][1][5] == 1
         else:
-            assert taken[0][1][4:] == (None, None)
+            assert taken[0][1][4:6] == (None, None)
         for _, args in taken:
             assert args[0] == (terms.get("softcap") or None)
             slope_args = args[1:4]
@@ -342,10 +342,13 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
                     (0, 1) if given.dim() == 1 else given.stride())
             else:
                 assert slope_args == (None,) * 3
-    # not on the Hopper kernels: a value head dim of its own, dropout, a varlen call with a term
+    # dropout: the Hopper forward with its p and seed (§16), the `tl` backward
+    taken.clear()
+    attention(q, k, v, True, backend="triton", dropout_p=0.1).backward(do)
+    assert [kind for kind, _ in taken] == ["fwd"] and taken[0][1][6] == 0.1 and taken[0][1][7].dtype == torch.int64
+    # not on the Hopper kernels: a value head dim of its own, a varlen call with a term
     taken.clear()
     attention(q, k, torch.randn(2, 2, 40, 32, dtype=torch.float16), True, backend="triton", softcap=2.0)
-    attention(q, k, v, True, backend="triton", dropout_p=0.1)
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
     attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 25, 25, causal=True,
                      softcap=2.0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import (TERM_CASES, assert_compiled_like_eager, assert_terms_match_fp64, packed_document_ids, qkv,
-                     slopes_for, terms_for)
+                     slopes_for, spy_on_hopper_kernels, terms_for)
 
 from attention import attention
 
@@ -55,28 +55,6 @@ def test_gpu_varlen_terms_match_fp64(dtype):
     v = torch.randn(sum(lengths), 2, 64, dtype=dtype, device="cuda")
     cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).cuda()
     assert_terms_match_fp64(q, k, v, True, varlen=(cu, cu, 1031, 1031), **terms_for("all", 5, 8, "cuda"))
-
-
-def spy_on_hopper_kernels(monkeypatch) -> list:
-    """Record each launch of the Hopper forward and backward (their whole path: a plan's repeats are not recorded) as
-    (kind, its term_args, its documents), and let it run; skip where they cannot run (an sm_90 GPU, Gluon)."""
-    from attention.flash import device
-    from attention.flash.hopper import backward as hopper_backward
-    from attention.flash.hopper import forward as hopper_forward
-
-    if not (device.HAS_GLUON and device.is_hopper(torch.device("cuda"))):
-        pytest.skip("the Hopper kernels run on an sm_90 GPU")
-    taken = []
-
-    def spy(kind, launch):
-        def recorded(*args, **kwargs):
-            taken.append((kind, kwargs.get("term_args"), args[12] if kind == "bwd" and len(args) > 12
-                          else args[8] if kind == "fwd" and len(args) > 8 else None))
-            return launch(*args, **kwargs)
-        return recorded
-    monkeypatch.setattr(hopper_forward, "forward", spy("fwd", hopper_forward.forward))
-    monkeypatch.setattr(hopper_backward, "backward", spy("bwd", hopper_backward.backward))
-    return taken
 
 
 @pytest.mark.gpu

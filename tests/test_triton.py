@@ -259,8 +259,8 @@ def test_torch_compile_fullgraph(packed):
 
 KERNEL_FILES = ["flash/tl_tiles.py", "flash/tl_forward.py", "flash/tl_backward.py", "flash/hopper/gluon_common.py",
                 "flash/hopper/gluon_forward.py", "flash/hopper/gluon_softmax.py", "flash/hopper/gluon_backward.py",
-                "flash/hopper/gluon_dq.py", "flash/hopper/gluon_query_tile.py", "flash/hopper/backward.py",
-                "moba/hopper.py"]
+                "flash/hopper/gluon_dq.py", "flash/hopper/gluon_query_tile.py", "flash/hopper/gluon_dropout.py",
+                "flash/hopper/backward.py", "moba/hopper.py"]
 
 
 def _module(path: str):

@@ -77,17 +77,18 @@ def test_builds_for_hopper_with_warp_specialization_and_no_spills(head_dim):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kernel, tile", [("forward", "128,3,3,2"), ("backward", "3,1")])
 def test_builds_with_the_terms(kernel, tile, causal):
-    # §15's terms compiled into the Hopper kernels (hopper_build --terms): each alone, then all together; the
-    # backward has none of sinks with softcap (the `tl` kernels take that). Catches a term's code that stops compiling.
+    # §15's terms and §16's dropout compiled into the Hopper kernels (hopper_build --terms): each alone, then all
+    # together; the backward has none of sinks with softcap, nor dropout (the `tl` kernels take those). Catches a
+    # term's code that stops compiling.
     # causal: ALiBi's causal builds, its bias folded (ALIBI_CAUSAL)
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.hopper_build", "--head_dim", "64", "--tile", tile,
-                          "--terms", "softcap,alibi,sinks", *(["--backward"] if kernel == "backward" else []),
+                          "--terms", "softcap,alibi,sinks,dropout", *(["--backward"] if kernel == "backward" else []),
                           *(["--causal"] if causal else [])],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     builds = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    expected = [["softcap"], ["alibi"], ["sinks"], ["softcap", "alibi", "sinks"]]
+    expected = [["softcap"], ["alibi"], ["sinks"], ["dropout"], ["softcap", "alibi", "sinks", "dropout"]]
     assert [built["terms"] for built in builds] == (expected if kernel == "forward" else
                                                     [["softcap"], ["alibi"], ["sinks"], ["softcap", "alibi"]])
     for built in builds:

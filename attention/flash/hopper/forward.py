@@ -21,16 +21,21 @@ if HAS_GLUON:
     from .gluon_forward import attn_fwd_ws
 
 
+# where term_args holds values (softcap, the slopes, the sinks, dropout_p, the seed); the rest are the slopes' and
+# the sinks' strides. The backward's term_args are the first four
+VALUES = (0, 1, 4, 6, 7)
+
+
 def term_values(term_args: tuple) -> tuple:
-    """§15 the values among the kernels' term arguments (softcap, the slopes, the sinks; their strides are the
-    plan's), those a call has: what a plan takes anew with every call."""
-    return tuple(term_args[i] for i in (0, 1, 4) if i < len(term_args) and term_args[i] is not None)
+    """§15, §16 the values among the kernels' term arguments (their strides are the plan's), those a call has: what
+    a plan takes anew with every call."""
+    return tuple(term_args[i] for i in VALUES if i < len(term_args) and term_args[i] is not None)
 
 
 def with_term_values(term_args: tuple, values: tuple) -> tuple:
     """term_args with another call's values (term_values' order) in their places."""
     given, args = iter(values), list(term_args)
-    for i in (0, 1, 4):
+    for i in VALUES:
         if i < len(args) and args[i] is not None:
             args[i] = next(given)
     return tuple(args)
@@ -88,7 +93,7 @@ def key_problem(k: torch.Tensor, gathered: bool, key_tile: int) -> tuple[int, in
 
 def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile,
             documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-            row_src: torch.Tensor | None = None, term_args: tuple = (None,) * 6) -> Launched:
+            row_src: torch.Tensor | None = None, term_args: tuple = (None,) * 8) -> Launched:
     """Write O into o (B, Hq, Tq, D), which the copy engine writes (tma_can_read; dispatch.empty_bthd's tensors
     are), and lse (B, Hq, Tq) float32, natural log. q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) as `supports` allows.
     tile: one of FORWARD_TILES. documents: (spans, ids) where attention
@@ -98,8 +103,9 @@ def forward(q, k, v, o, lse, causal: bool, scale: float, tile: HopperForwardTile
     numbered (b * Hq + h) * T + t (-1: a row of zeros); o (1, 1, n, D) and lse (1, 1, n) are then the rows', and
     the keys k's and v's (B, Hkv, Tk) rows as one sequence, numbered as q's, in any strides (whole key tiles per
     head, or a flat (1, 1, n, D) k and v).
-    term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) as terms.term_args
-    gives them, None for a term the call does not have (the kernel's build is then the one without it).
+    term_args: §15's (softcap, slopes, stride_slopes_b, stride_slopes_h, sinks, stride_sinks) and §16's (dropout_p,
+    seed) as terms.term_args gives them, None for a term the call does not have (the kernel's build is then the one
+    without it).
     -> Launched: the compiled kernel (the tuner logs its registers) and again(q, k, v, o, lse, scale, *term values,
     *documents), the same launch for tensors shaped, strided and aligned like these (None for a gathered problem);
     the term values are term_values(term_args)'s, the terms' values of that call."""

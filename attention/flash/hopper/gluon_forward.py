@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .gluon_common import document_span, gather_rows, key_block, row_sources, tma_load, tma_store
+from .gluon_dropout import dropout_tile
 from .gluon_softmax import (acc_layout, alibi_rows, alibi_slope, first_key_tile, fold_sink, item_rows, k_done,
                             mirrored_tile, score_half_tile, scored_tile, softmax_step, v_slot_of, wait_tile)
 from .shapes import GATHER_WARPS, PRODUCER_REGS, ROWS, o_staged
@@ -166,13 +167,15 @@ def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
                   diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                  SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
+                  SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
     and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
     attn_fwd_ws found no room for staging tiles, from registers (O and its strides). §15 softcap, SLOPES and
     SINK_LOGITS (with their strides): FlashAttention's terms, each None where the call has none (attn_fwd_ws);
     CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask (tile_terms' FOLD), else None;
-    FULL_SLOPES: SLOPES again where it is folded on full attention (mirrored_terms), else None."""
+    FULL_SLOPES: SLOPES again where it is folded on full attention (mirrored_terms), else None. §16 dropout_p and
+    DROP_SEED (the call's (1,) int64 seed), or None: P's dropped probabilities are zeroed before each P V
+    (gluon_dropout), the mask the `tl` kernels draw, and O divided by l (1 - dropout_p)."""
     K_STAGES: gl.constexpr = k_smem.shape[0]
     V_STAGES: gl.constexpr = v_smem.shape[0]
     SPLIT: gl.constexpr = V_STAGES < K_STAGES  # K and V in rings of their own (_load_tiles)
@@ -192,6 +195,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     # or right of the rows take their own key part, and their row part moves m's reference per tile (mirrored_terms)
     FOLD: gl.constexpr = CAUSAL_SLOPES is not None
     FULL: gl.constexpr = FULL_SLOPES is not None
+    DROPOUT: gl.constexpr = DROP_SEED is not None
     o_layout: gl.constexpr = acc_layout(HEAD_DIM)  # wgmma's accumulator layouts: O's, and S's (acc_layout(BLOCK_N))
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)  # P from registers
@@ -207,7 +211,9 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
     # hs=64 with two consumers: with three, and at hs=128, ptxas schedules the builds' main loops worse and the
     # tile is taken whole (§12 "Half a tile at the diagonal"; docs/perf_notes.md, 'half a tile at the
     # diagonal'). So where the half tile runs, Q is in shared memory (not Q_IN_REGISTERS)
-    HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2
+    HALF_TILES: gl.constexpr = HEAD_DIM == 64 and CONSUMERS == 2 and not DROPOUT  # dropout: whole tiles (§16)
+    if DROPOUT:
+        seed = gl.load(DROP_SEED)
     seen_tiles = 0  # key tiles of earlier items
     for item in range(program_items(n_work, per_turn)):
         bh, start_m, first_tile, end_tile = _work_item(item, per_turn, n_m_tiles, Tq, Tk, diag, H, SPANS, BLOCK_N,
@@ -234,6 +240,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             # hs=128, and ptxas allocates the document build otherwise (docs/perf_notes.md section 12)
             prev = k_slot
             k_slot = wait_tile(k_smem, k_ready, ring0 + j)
+            if DROPOUT:  # §16 P_{j-1} as P V takes it, its dropped probabilities 0 (l_i summed them all)
+                p = dropout_tile(p, seed, bh.to(gl.int64) * Tq, first_row, (j - 1) * BLOCK_N, Tk, dropout_p)
             p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             s_token = warpgroup_mma(q, k_smem.index(k_slot).permute((1, 0)),
                                     gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout(BLOCK_N)), use_acc=False,
@@ -280,6 +288,8 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             if not Q_IN_REGISTERS:
                 mbarrier.arrive(q_empty.index(buffer), count=1)  # Q's last use was S of the last tile
             v_slot = v_slot_of(v_smem, v_ready, ring0 + n_full - 1, k_slot, SPLIT)
+            if DROPOUT:
+                p = dropout_tile(p, seed, bh.to(gl.int64) * Tq, first_row, (n_full - 1) * BLOCK_N, Tk, dropout_p)
             o_token = warpgroup_mma(gl.convert_layout(p.to(q_smem.dtype), p_layout), v_smem.index(v_slot), acc,
                                     is_async=True)
             acc = warpgroup_mma_wait(0, deps=[o_token])
@@ -299,6 +309,9 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
                                        gl.load(SINK_LOGITS + (bh % H) * stride_sinks).to(gl.float32))
         seen = l_o > 0
         l_safe = gl.where(seen, l_o, 1.0)
+        l_out = l_safe
+        if DROPOUT:  # §16 the kept probabilities' 1 / (1 - p), once per row
+            l_out = l_safe * (1.0 - dropout_p)
         rows = first_row + gl.arange(0, ROWS, layout=o_rows)  # (ROWS,)
         if O_STAGED:
             # O by the copy engine, which leaves out rows past Tq: the tile goes to shared memory (once the
@@ -307,14 +320,14 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             # copy engine")
             o_tile = o_smem.index(WG)
             tma.store_wait(0)
-            o_tile.store((acc / l_safe[:, None]).to(o_desc.dtype))
+            o_tile.store((acc / l_out[:, None]).to(o_desc.dtype))
             fence_async_shared()  # the stores, visible to the copy engine
             tma_store(o_desc, [bh // H, bh % H, first_row, 0], o_tile.reshape([1, 1, ROWS, HEAD_DIM]))
         else:
             cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # (D,)
             o_base = O + (bh // H).to(gl.int64) * stride_ob + (bh % H).to(gl.int64) * stride_oh
             o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_ot + cols[None, :]
-            gl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
+            gl.store(o_ptrs, (acc / l_out[:, None]).to(O.dtype.element_ty), mask=(rows < Tq)[:, None])
         lse = gl.where(seen, (gl.convert_layout(m_i, o_rows) + gl.log2(l_safe)) * 0.6931471805599453,
                        float("inf"))
         gl.store(LSE + bh.to(gl.int64) * Tq + rows, lse, mask=rows < Tq)
@@ -327,36 +340,36 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
+                    SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
+                  stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
+                    SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
+                  stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                     qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
-                    SINK_LOGITS, stride_sinks, CAUSAL_SLOPES, FULL_SLOPES):
+                    SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                   O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
                   SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
-                  stride_sinks, CAUSAL_SLOPES, FULL_SLOPES)
+                  stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_ot, H, GROUP, Tq, Tk, diag,
                  scale, n_work, per_turn, SPANS, IDS, stride_ids, ROW_SRC, stride_qb, stride_qh, stride_qt, H_src,
-                 T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks, KEY_HEADS,
+                 T_src, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, KEY_HEADS,
                  KEY_T, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr,
                  V_STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  ALIBI_CAUSAL: gl.constexpr = False, ALIBI_FULL: gl.constexpr = False):
@@ -424,7 +437,7 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
     consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
                      scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, SINK_LOGITS, stride_sinks, causal_slopes, full_slopes)
+                     stride_slopes_h, SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, causal_slopes, full_slopes)
     producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,
                      stride_qh, stride_qt, H_src, T_src, KEY_HEADS, KEY_T)

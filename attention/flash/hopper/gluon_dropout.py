@@ -1,0 +1,69 @@
+"""§16 attention dropout on the Hopper kernels: the keep mask of a tile of scores drawn in the registers that hold
+it, bit for bit the mask of the `tl` kernels (tl_tiles.dropout_keep), so a forward here and a backward there (or
+the other way round) drop the same probabilities.
+
+    p = dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p)   # p (ROWS, N) in acc_layout(N)
+
+A thread of a wgmma accumulator holds rows {a, a + 8} of each 16 and columns {c, c + 1} of each 8, so of every
+patch of four scores §16 draws together (rows {a, a + 8} by columns {c, c + 8}) it holds all four or none: the
+Philox draws run on a grid of patches laid out so (patch_layout), and the four words move to their scores within
+each thread, never through shared memory.
+"""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@triton.constexpr_function
+def patch_layout(rows, cols):
+    """The layout of a (rows / 2, cols / 2) grid of §16's patches in which each thread holds the patches of its own
+    scores in acc_layout(cols) (4 warps of 16 rows): patch (i, j) covers rows 16 * (i // 8) + i % 8 + {0, 8} and
+    columns 16 * (j // 8) + j % 8 + {0, 8}. The accumulator puts a row's bits 0-2 in lane bits 2-4, bit 3 in a
+    register, bits 4-5 in the warp; a column's bit 0 in a register, bits 1-2 in lane bits 0-1, the rest in
+    registers. A patch index drops the row's and the column's bit 3 (the patch's four scores): the rest stay put."""
+    registers = [[0, 1]] + [[0, 1 << bit] for bit in range(3, (cols // 2).bit_length() - 1)]
+    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warps = [[8, 0], [16, 0]]
+    return gl.DistributedLinearLayout(registers, lanes, warps, [], [rows // 2, cols // 2])
+
+
+@gluon.jit
+def philox_seven(seed, counters):
+    """Philox-4x32 with seven rounds of the int64 counters (their low and high 32 bits, then two zero words), keyed
+    by the int64 seed's halves: tl.randint4x(seed, counters, 7)'s four uint32 words, as §16 uses them."""
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    c0 = counters.to(gl.uint32)
+    c1 = (counters >> 32).to(gl.uint32)
+    c2 = c0 * 0
+    c3 = c2
+    for _ in gl.static_range(7):
+        a0, a2 = c0, c2
+        c0 = gl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = gl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1
+        c1 = a2 * 0xCD9E8D57
+        c3 = a0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p):
+    """§16: p (ROWS, N), probabilities of rows first_row ... (a multiple of 16) and keys key0 ... (a multiple of
+    16) in acc_layout(N), with the dropped ones 0. row0: the rows' counter base (tl_tiles.dropout_first's), n_cols
+    the call's key count that the counters step by."""
+    ROWS: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    patches: gl.constexpr = patch_layout(ROWS, N)
+    i = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, patches))
+    j = gl.arange(0, N // 2, layout=gl.SliceLayout(0, patches))
+    a = first_row + (i // 8) * 16 + i % 8  # (ROWS / 2,) the patches' first rows
+    c = key0 + (j // 8) * 16 + j % 8  # (N / 2,) and first columns
+    counters = (row0 + a.to(gl.int64))[:, None] * n_cols + c[None, :]  # (ROWS / 2, N / 2)
+    w0, w1, w2, w3 = philox_seven(seed, counters)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
+    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # (ROWS / 2, N / 2, column half, row half)
+    words = gl.reshape(words, [ROWS // 16, 8, N // 16, 8, 2, 2])
+    words = gl.reshape(gl.permute(words, [0, 5, 1, 2, 4, 3]), [ROWS, N])
+    keep = (words >> 16) >= (dropout_p * 65536.0).to(gl.uint32)
+    return gl.where(gl.convert_layout(keep, p.type.layout), p, 0.0)
