@@ -46,7 +46,8 @@ def _compile(kernel, signature: dict, constants: dict, launch_regs: int):
     # as a launch specializes them for tensors of whole 16-byte rows: pointers and strides divisible by 16, which
     # is what lets the compiler vectorize stores
     aligned = [name for name, kind in signature.items() if (kind.startswith("*") or name.startswith("stride_"))
-               and name not in ("SLOPES", "stride_slopes_b", "stride_slopes_h", "SINK_LOGITS", "stride_sinks", "DROP_SEED")]
+               and name not in ("SLOPES", "stride_slopes_b", "stride_slopes_h", "SINK_LOGITS", "stride_sinks",
+                                "DROP_SEED")]
     source = GluonASTSource(fn=kernel, signature=signature,
                             constexprs={(params.index(name),): value for name, value in constants.items()},
                             attrs={(params.index(name),): [["tt.divisibility", 16]] for name in aligned})
@@ -81,7 +82,7 @@ def _document_args(documents: str | None) -> tuple[dict, dict]:
     return dict(stride_ids="i32"), dict(SPANS=None, IDS=None)
 
 
-TERMS = ("softcap", "alibi", "sinks", "dropout")  # dropout: the forward only (the backward takes the `tl` one)
+TERMS = ("softcap", "alibi", "sinks", "dropout")
 
 
 def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, dict]:
@@ -102,9 +103,8 @@ def _term_args(terms: tuple[str, ...], backward: bool = False) -> tuple[dict, di
     # the backward reads the sink's share in lse, and adds each row's sum of P dP into SINK_ROWS (terms.sink_grad)
     sinks = dict(SINK_ROWS="*fp32") if backward else dict(SINK_LOGITS="*fp32", stride_sinks="i32")
     (signature if "sinks" in terms else constants).update(sinks if "sinks" in terms else dict.fromkeys(sinks))
-    if not backward:  # §16 dropout, the forward's
-        dropout = dict(dropout_p="fp32", DROP_SEED="*i64")
-        (signature if "dropout" in terms else constants).update(dropout if "dropout" in terms else dict.fromkeys(dropout))
+    dropout = dict(dropout_p="fp32", DROP_SEED="*i64")  # §16
+    (signature if "dropout" in terms else constants).update(dropout if "dropout" in terms else dict.fromkeys(dropout))
     return signature, constants
 
 
@@ -218,12 +218,11 @@ def main(argv=None):
             tiles = ([tuple(int(x) for x in args.tile.split(","))] if args.tile
                      else sorted({forward_build(tile) for tile in listed}))
         named = tuple(term for term in args.terms.split(",") if term)
-        # each term alone, then all of them together; a backward with softcap has no sinks (dispatch._backward_plan)
+        # each term alone, then all of them together
         term_sets = [(term,) for term in named] + ([named] if len(named) > 1 else []) if named else [()]
-        if args.backward:
+        if args.backward:  # the sinks' rows not with softcap (dispatch._backward_plan)
             term_sets = list(dict.fromkeys(tuple(t for t in terms if t != "sinks" or "softcap" not in terms)
-                                           for terms in term_sets if terms != ("dropout",)))
-            term_sets = [tuple(t for t in terms if t != "dropout") for terms in term_sets]
+                                           for terms in term_sets))
         for tile in tiles:
             for terms in term_sets:
                 kernel = (build_backward(head_dim, tile, args.documents, terms, args.causal) if args.backward

@@ -287,8 +287,8 @@ class HopperRan(Exception):
 
 def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
     # dispatch sends softcap, ALiBi and sinks to the Hopper kernels on an sm_90 GPU (its capability mocked here, the
-    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments, and dropout to the Hopper forward; the
-    # backward with dropout, a value head dim of its own and varlen calls with a term stay on the `tl` kernels
+    # kernels faked: Gluon has no CPU interpreter), with the terms' arguments, and dropout; a value head dim of its
+    # own and varlen calls with a term stay on the `tl` kernels
     from attention.flash import dispatch
     from attention.flash.hopper import backward as hopper_backward
     from attention.flash.hopper import forward as hopper_forward
@@ -302,7 +302,7 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
         return Launched(None, lambda *call: None)
 
     def fake_backward(do, q, k, v, o, lse, dq, dk, dv, causal, scale, tile, documents=None, gathered=None,
-                      term_args=(None,) * 4, sink_rows=None, sinks=None):
+                      term_args=(None,) * 8, sink_rows=None, sinks=None):
         taken.append(("bwd", term_args + (sink_rows, sinks)))
         raise HopperRan
 
@@ -326,7 +326,7 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
             with pytest.raises(HopperRan):
                 out.backward(do)
             assert [kind for kind, _ in taken] == ["fwd", "bwd"]
-            sink_rows, given_sinks = taken[1][1][4:]  # the rows the backward adds into, shaped as lse, and the sinks
+            sink_rows, given_sinks = taken[1][1][8:]  # the rows the backward adds into, shaped as lse, and the sinks
             assert (given_sinks is sinks and sink_rows.shape == (2, 4, 40)) if "sinks" in terms else (
                 sink_rows is None and given_sinks is None)
         if "sinks" in terms:  # the forward folds them in
@@ -342,10 +342,12 @@ def test_terms_reach_the_hopper_kernels_on_sm90(monkeypatch):
                     (0, 1) if given.dim() == 1 else given.stride())
             else:
                 assert slope_args == (None,) * 3
-    # dropout: the Hopper forward with its p and seed (§16), the `tl` backward
+    # dropout: both Hopper kernels, with its p and the call's seed (§16)
     taken.clear()
-    attention(q, k, v, True, backend="triton", dropout_p=0.1).backward(do)
-    assert [kind for kind, _ in taken] == ["fwd"] and taken[0][1][6] == 0.1 and taken[0][1][7].dtype == torch.int64
+    with pytest.raises(HopperRan):
+        attention(q, k, v, True, backend="triton", dropout_p=0.1).backward(do)
+    assert [kind for kind, _ in taken] == ["fwd", "bwd"]
+    assert all(args[6] == 0.1 and torch.equal(args[7], taken[0][1][7]) for _, args in taken)
     # not on the Hopper kernels: a value head dim of its own, a varlen call with a term
     taken.clear()
     attention(q, k, torch.randn(2, 2, 40, 32, dtype=torch.float16), True, backend="triton", softcap=2.0)

@@ -9,8 +9,8 @@ Which kernels run: on Hopper the tuner (tuner.py, §9) times the `tl` forward (t
 warp-specialized one (hopper/gluon_forward.py, §12), and the two `tl` backward kernels (tl_backward.py) against the
 warp-specialized backward (hopper/gluon_backward.py, §13), and keeps the faster per shape; elsewhere the `tl` kernels
 run. FlashAttention's terms softcap, ALiBi and sinks (§15) run on both, compiled into the Hopper kernels where a dense
-call (or documents) has them (hopper_call), and dropout (§16) into the Hopper forward; the backward with dropout, a
-value head dim of its own and varlen calls with a term keep to the `tl` kernels.
+call (or documents) has them (hopper_call), and so does dropout (§16); a value head dim of its own and varlen calls
+with a term keep to the `tl` kernels.
 NANOFLASH_HOPPER: "auto" (time them), "1" (take the Hopper kernels wherever they can run), "0" (never).
 NANOFLASH_TMA=1: the `tl` forward may also load its tiles through tensor descriptors (§9), timed beside pointer loads.
 
@@ -96,11 +96,11 @@ DENSE = MaskArgs()
 
 
 def _hopper_takes(terms: Terms, q: torch.Tensor, v: torch.Tensor, varlen: "Varlen | None",
-                  documents: tuple | None, forward: bool) -> bool:
+                  documents: tuple | None) -> bool:
     """Whether the call's terms let it on the Hopper kernels: a dense call (hopper_call), or documents without terms
     (varlen ones as one batch entry: their slopes would be per sequence, §15; autograd keeps spans to plain calls)."""
     if varlen is None:
-        return hopper_call(terms, q, v, forward)
+        return hopper_call(terms, q, v)
     return documents is not None and plain_call(terms, q, v)
 
 
@@ -258,7 +258,7 @@ def _forward_plan(q, k, v, o, lse, causal: bool, scale: float, mask: MaskArgs, v
     # (_hopper_takes), which only the `tl` kernels compute
     documents = _hopper_documents(mask, varlen)
     call = (q, k, v, o, lse) if varlen is None else _as_batch(q, k, v, o, lse)
-    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents, True)
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents)
             and hopper_forward.forward_supports(*call[:3], dense=mask.kv_blocks is None or documents is not None)):
         # two consumers with documents or the terms (document_tiles, term_tiles)
         tiles = (FORWARD_TILES[D] if terms is NO_TERMS else term_tiles(D)) if documents is None else document_tiles(D)
@@ -348,13 +348,14 @@ def _backward_plan(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, 
     call = (do, q, k, v, o, lse, dq, dk, dv) if varlen is None else _as_batch(do, q, k, v, o, lse, dq, dk, dv)
     batch_do, batch_q, batch_k, batch_v, batch_o, _, *batch_grads = call
     sinks_fit = terms.sinks is None or not terms.softcap  # (above)
-    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents, False) and sinks_fit
+    if (HOPPER_MODE != "0" and _hopper_takes(terms, q, v, varlen, documents) and sinks_fit
             and not torch.are_deterministic_algorithms_enabled()
             and hopper_backward.backward_supports(batch_q, batch_k, batch_v, batch_o, batch_do, batch_grads,
                                                 dense=mask.kv_blocks is None or documents is not None)):
         # §15 softcap, ALiBi and the sinks' rows compiled in where the call has them
-        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, False)[:4], sink_rows=sink_rows,
-                                                  sinks=terms.sinks)
+        # the forward's term_args less its sinks (which come as sinks, beside their rows)
+        given = {} if terms is NO_TERMS else dict(term_args=term_args(terms, True)[:4] + (None, None)
+                                                  + term_args(terms, True)[6:], sink_rows=sink_rows, sinks=terms.sinks)
         values = _backward_values(terms, sink_rows)
 
         def hopper(tile):

@@ -45,12 +45,12 @@ def plain_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
             and v.shape[-1] == q.shape[-1])
 
 
-def hopper_call(terms: Terms, q: torch.Tensor, v: torch.Tensor, forward: bool) -> bool:
-    """What the Hopper kernels (§12, §13) compute of a dense call's terms: softcap, ALiBi and sinks (§15), compiled
-    in where a call has them, and in the forward dropout (§16: its mask is the `tl` kernels', so the `tl` backward
-    regenerates it); not a value head dim of its own, which only the `tl` kernels compute. (With sinks and softcap
+def hopper_call(terms: Terms, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """What the Hopper kernels (§12, §13) compute of a dense call's terms: softcap, ALiBi and sinks (§15) and dropout
+    (§16: the `tl` kernels' mask, so either family's backward regenerates the other's forward's), compiled in where a
+    call has them; not a value head dim of its own, which only the `tl` kernels compute. (With sinks and softcap
     together the backward stays on the `tl` kernels: dispatch._backward_plan.)"""
-    return (forward or not terms.dropout_p) and v.shape[-1] == q.shape[-1]
+    return v.shape[-1] == q.shape[-1]
 
 
 def term_constants(terms: Terms, q: torch.Tensor, v: torch.Tensor, kernel: str) -> dict:

@@ -157,7 +157,7 @@ def finish_dq(dq_acc: torch.Tensor, dq: torch.Tensor, Tq_pad: int, scale: float)
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: HopperBackwardTile,
              documents: tuple[torch.Tensor, torch.Tensor] | None = None,
-             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 4,
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None, term_args: tuple = (None,) * 8,
              sink_rows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> Launched:
     """dq, dk, dv (shaped like q, k, v; any strides) from dO; q, k, v, o, do as `supports` allows, lse (B, Hq, Tq)
     float32 from the forward. tile: (STAGES, DKDV_STAGED) from `tiles`. documents: (spans, ids) as forward takes
@@ -165,8 +165,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     (§11): its n query rows read q, dO, lse and Delta at their source rows, and add their dS K (unscaled, by atomics)
     into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller reads (finish_dq); dq is None, k and v the
     problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their gradients as one flat sequence. term_args:
-    §15's (softcap, slopes, stride_slopes_b, stride_slopes_h) as terms.term_args gives them, None for a term the call
-    does not have. sink_rows: with sinks (Hq,) (not with softcap, and not gathered), float32 (B, Hq, Tq) that gets
+    as forward takes them, §15's (softcap, slopes, stride_slopes_b, stride_slopes_h), two unused (the sinks come
+    below) and §16's (dropout_p, seed), None for a term the call does not have. sink_rows: with sinks (Hq,) (not with softcap, and not gathered), float32 (B, Hq, Tq) that gets
     each query row's sum of P dP, for their gradient (§15, terms.sink_grad). -> Launched: the compiled main kernel and
     again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three launches for tensors
     shaped, strided and aligned like these (None for a gathered problem); the term values are
@@ -235,7 +235,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     sizes_main = (Hkv * split, group // split, B_rows * Hkv * split, heads_per_group, Tq, Tq_pad, Tk, diag)
     main_grid = (programs * split,)
     main_args = (k_desc, v_desc, *rows_args[:4], *dkdv, *grad_strides, rows_args[4], *sources, *sizes_main, scale,
-                 *document_args(documents), *term_args, sink_rows, *key_sizes, split)
+                 *document_args(documents), *term_args[:4], sink_rows, *term_args[6:], *key_sizes, split)
     first_main = launch(attn_bwd_ws, main_grid, main_args, STAGES=stages, ROWS_FIRST=rows_first, num_warps=4,
                         maxnreg=BACKWARD_LAUNCH_REGS, **fold)
     if row_src is not None:  # the caller reads its buffer
@@ -263,8 +263,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
                                 lse_unit(scale), *prepare_slopes(terms_now))
             dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)
             first_main.again(k, v, q, do, lse_row, delta_row, dk_out, dv_out, *grad_strides, dq_acc, *sources,
-                             *sizes_main, scale, *document_args(documents), *terms_now, sink_rows_now, *key_sizes,
-                             split)
+                             *sizes_main, scale, *document_args(documents), *terms_now[:4], sink_rows_now,
+                             *terms_now[6:], *key_sizes, split)
             first_finish.again(dq_acc, dq, *dq.stride()[:3], Hq, T, T_pad, scale)
             if first_sum is not None:
                 first_sum.again(dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)

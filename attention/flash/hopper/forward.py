@@ -22,21 +22,21 @@ if HAS_GLUON:
 
 
 # where term_args holds values (softcap, the slopes, the sinks, dropout_p, the seed); the rest are the slopes' and
-# the sinks' strides. The backward's term_args are the first four
+# the sinks' strides (backward.backward's term_args leave the sinks' two places None)
 VALUES = (0, 1, 4, 6, 7)
 
 
 def term_values(term_args: tuple) -> tuple:
     """§15, §16 the values among the kernels' term arguments (their strides are the plan's), those a call has: what
     a plan takes anew with every call."""
-    return tuple(term_args[i] for i in VALUES if i < len(term_args) and term_args[i] is not None)
+    return tuple(term_args[i] for i in VALUES if term_args[i] is not None)
 
 
 def with_term_values(term_args: tuple, values: tuple) -> tuple:
     """term_args with another call's values (term_values' order) in their places."""
     given, args = iter(values), list(term_args)
     for i in VALUES:
-        if i < len(args) and args[i] is not None:
+        if args[i] is not None:
             args[i] = next(given)
     return tuple(args)
 

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ..tl_tiles import LOG2E
 from .gluon_common import copy_load, document_span, gather_rows, key_block, row_sources, score_terms, tma_load
 from .gluon_dq import add_dq_cols, dq_cols, dq_targets
+from .gluon_dropout import keep_tile
 from .gluon_query_tile import (add_sink_rows, document_rows, issue_dq, issue_dv_wait_dp, issue_scores, masked_scores,
                                probabilities, query_slope, query_tile, share_ds, store_key_gradients)
 from .shapes import (BACKWARD_CONSUMER_REGS, GATHER_WARPS, KEY_BLOCK, KEYS, PRODUCER_REGS, QUERY_BLOCK)
@@ -161,13 +162,16 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
                    heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES,
-                   stride_slopes_b, stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                   stride_slopes_b, stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED,
+                   ROWS_FIRST: gl.constexpr):
     """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
     of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
     row values (row_values_first). §15 softcap, SLOPES (with its strides): FlashAttention's terms, None where the
     call has none (attn_bwd_ws); CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask, else None: the
     scores take the bias's key part alone, past the origin start_m + Tk - Tq (the query tile's first row's position),
-    and the row part is in lse_smem's rows already (backward.attn_bwd_prepare). SINK_ROWS: the sinks' rows, or None."""
+    and the row part is in lse_smem's rows already (backward.attn_bwd_prepare). SINK_ROWS: the sinks' rows, or None.
+    §16 dropout_p and DROP_SEED (the call's seed), or None: the forward's mask regenerated per tile (keep_tile), dV
+    from the kept P^T, dP^T of the kept scores over 1 - p, dV over 1 - p once at the end."""
     STAGES: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -207,6 +211,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     SOFTCAP: gl.constexpr = softcap is not None
     FOLD: gl.constexpr = CAUSAL_SLOPES is not None
     TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
+    DROPOUT: gl.constexpr = DROP_SEED is not None
     # With softcap at hs=128 the tanh tile beside P^T does not fit with dP^T's accumulator in flight over the exp2s:
     # with dP^T issued beside S^T as in the plain build, Triton 3.9's builds spilled 92 stores (157 with ALiBi too)
     # against the plain build's 23; issued once P^T is, beside dV, 78 (30). Neither was timed (never run on a GPU).
@@ -214,6 +219,8 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
     LATE_DP: gl.constexpr = SOFTCAP and HEAD_DIM == 128
     rows_from, rows_end = document_rows(SPANS, IDS, b, first_key, Tq, Tk)
+    if DROPOUT:
+        seed = gl.load(DROP_SEED)
     mbarrier.wait(kv_ready, 0)
 
     per_head = end_m - first_m
@@ -243,8 +250,15 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         st = masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, rows_end, b, SPANS, IDS,
                            stride_ids)
         pt = probabilities(st, lse_row, lse_smem.index(slot), qk_scale, SOFTCAP, LATE_DP, ROWS_FIRST)
-        dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot), SOFTCAP,
-                                             LATE_DP, ROWS_FIRST)
+        keep = None  # §16 the forward's mask of this tile, Z^T (keys by queries), with dropout
+        if DROPOUT:
+            bh_q = query_tile(t, bh_kv, GROUP, first_m, per_head)[0]
+            keep = keep_tile(pt, seed, bh_q.to(gl.int64) * Tq, start_m, first_key, Tk, dropout_p, True)
+        dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot), keep,
+                                             SOFTCAP, LATE_DP, ROWS_FIRST)
+        if DROPOUT:  # §16 dP^T - Delta becomes Z^T dP^T / (1 - p) - Delta: a dropped score's dS^T is -P^T Delta
+            delta = delta_smem.index(slot).load(row_layout)[None, :]  # (1, M)
+            dpt = gl.where(keep, (dpt + delta) * (1.0 / (1.0 - dropout_p)), 0.0) - delta
         dst = pt * dpt  # §5 dS^T
         if SINK_ROWS is not None:  # §15
             add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, rows_m, Tq)
@@ -284,6 +298,8 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             dq = warpgroup_mma_wait(0, deps=[dq_token])
             add_dq_cols(WG, u, u, dq, dq_col, ds_empty, DQ_ACC, dq_smem, targets, bh_u, start_u, Tq_pad)
     tma.store_wait(0)  # the last reductions have read their staging tiles before the program's memory goes
+    if DROPOUT:  # §16 the kept P's 1 / (1 - p), once
+        dv = dv * (1.0 / (1.0 - dropout_p))
     store_key_gradients(dk, dv, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt, k_smem,
                         v_smem, k_free, b, h_kv, first_key, Tk, scale, WG)
 
@@ -293,31 +309,32 @@ def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_s
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST: gl.constexpr):
     _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST)
+                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
 
 @gluon.jit
 def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST: gl.constexpr):
+                     stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST: gl.constexpr):
     _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
                    Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, ROWS_FIRST)
+                   stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
 
 @gluon.jit
 def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                  stride_dvh, stride_dvt, DQ_ACC, ROW_SRC, stride_qb, stride_qh, stride_qt, stride_dob, stride_doh,
                  stride_dot, H_src, T_src, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad, Tk, diag, scale,
-                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS, KEY_HEADS,
-                 KEY_T, KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr, ALIBI_CAUSAL: gl.constexpr = False):
+                 SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_ROWS, dropout_p,
+                 DROP_SEED, KEY_HEADS, KEY_T, KV_SPLIT, STAGES: gl.constexpr, ROWS_FIRST: gl.constexpr,
+                 ALIBI_CAUSAL: gl.constexpr = False):
     """Shared memory and barriers, then the split into the producer and the two consumers (module docstring).
     SPANS (B, 2, T) and IDS (B, T): the spans and ids of documents attention stays inside (§14), or None.
     Q, DO, LSE, DELTA: descriptors of q, dO and the pre-pass's lse and Delta rows; or for a gathered problem
@@ -330,9 +347,9 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
     (B, H_kv, Tk, D) partial gradients, H_kv counting split heads (§13 "A small grid of grouped heads"); 1 otherwise.
     §15 softcap (a float > 0) and SLOPES (B or 1, Hq) float32 ALiBi slopes with their strides: FlashAttention's terms,
     each None (a constant: the build is the one without it) where the call has none (_key_gradients). SINK_ROWS: with
-    sinks (not with softcap or ROW_SRC) the float32 (B*Hq, Tq) rows each query row's sum of P dP is added into.
-    ALIBI_CAUSAL: a causal call with SLOPES, ALiBi folded; LSE's rows then hold each row's part of the bias
-    (attn_bwd_prepare)."""
+    sinks (not with softcap or ROW_SRC) the float32 (B*Hq, Tq) rows each query row's sum of P dP is added
+    into. §16 dropout_p and DROP_SEED, the call's, or None. ALIBI_CAUSAL: a causal call with SLOPES, ALiBi folded;
+    LSE's rows then hold each row's part of the bias (attn_bwd_prepare)."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[3]
     DQ_COLS: gl.constexpr = dq_cols(HEAD_DIM)
     dtype: gl.constexpr = k_desc.dtype
@@ -383,7 +400,7 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
                      Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
-                     stride_slopes_h, causal_slopes, SINK_ROWS, ROWS_FIRST)
+                     stride_slopes_h, causal_slopes, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
     gl.warp_specialize([
         (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps
         (_key_gradients_1, consumer_args),

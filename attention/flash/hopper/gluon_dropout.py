@@ -3,6 +3,7 @@ it, bit for bit the mask of the `tl` kernels (tl_tiles.dropout_keep), so a forwa
 the other way round) drop the same probabilities.
 
     p = dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p)   # p (ROWS, N) in acc_layout(N)
+    keep = keep_tile(pt, seed, row0, first_query, first_key, n_cols, dropout_p, True)   # the backward's S^T tile
 
 A thread of a wgmma accumulator holds rows {a, a + 8} of each 16 and columns {c, c + 1} of each 8, so of every
 patch of four scores §16 draws together (rows {a, a + 8} by columns {c, c + 8}) it holds all four or none: the
@@ -49,21 +50,35 @@ def philox_seven(seed, counters):
 
 
 @gluon.jit
-def dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p):
-    """§16: p (ROWS, N), probabilities of rows first_row ... (a multiple of 16) and keys key0 ... (a multiple of
-    16) in acc_layout(N), with the dropped ones 0. row0: the rows' counter base (tl_tiles.dropout_first's), n_cols
-    the call's key count that the counters step by."""
-    ROWS: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    patches: gl.constexpr = patch_layout(ROWS, N)
-    i = gl.arange(0, ROWS // 2, layout=gl.SliceLayout(1, patches))
-    j = gl.arange(0, N // 2, layout=gl.SliceLayout(0, patches))
-    a = first_row + (i // 8) * 16 + i % 8  # (ROWS / 2,) the patches' first rows
-    c = key0 + (j // 8) * 16 + j % 8  # (N / 2,) and first columns
-    counters = (row0 + a.to(gl.int64))[:, None] * n_cols + c[None, :]  # (ROWS / 2, N / 2)
-    w0, w1, w2, w3 = philox_seven(seed, counters)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
-    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # (ROWS / 2, N / 2, column half, row half)
-    words = gl.reshape(words, [ROWS // 16, 8, N // 16, 8, 2, 2])
-    words = gl.reshape(gl.permute(words, [0, 5, 1, 2, 4, 3]), [ROWS, N])
+def keep_tile(like, seed, row0, first_query, first_key, n_cols, dropout_p, TRANSPOSED: gl.constexpr):
+    """§16 True where a score is kept, shaped and laid out as `like` (R, C), a wgmma accumulator (acc_layout(C)) of
+    scores of queries first_query ... by keys first_key ... (each a multiple of 16), or with TRANSPOSED the keys by
+    the queries (the backward's S^T). row0: the queries' counter base (tl_tiles.dropout_first's), n_cols the call's
+    key count that the counters step by."""
+    R: gl.constexpr = like.shape[0]
+    C: gl.constexpr = like.shape[1]
+    patches: gl.constexpr = patch_layout(R, C)
+    i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
+    j = gl.arange(0, C // 2, layout=gl.SliceLayout(0, patches))
+    if TRANSPOSED:  # rows are keys: (R / 2, C / 2) patches of (key pair, query pair)
+        c = first_key + (i // 8) * 16 + i % 8
+        a = first_query + (j // 8) * 16 + j % 8
+        counters = (row0 + a.to(gl.int64))[None, :] * n_cols + c[:, None]
+        w0, w2, w1, w3 = philox_seven(seed, counters)  # the words of (key half, query half) 00, 01, 10, 11
+    else:
+        a = first_query + (i // 8) * 16 + i % 8  # (R / 2,) the patches' first rows
+        c = first_key + (j // 8) * 16 + j % 8  # (C / 2,) and first columns
+        counters = (row0 + a.to(gl.int64))[:, None] * n_cols + c[None, :]  # (R / 2, C / 2)
+        w0, w1, w2, w3 = philox_seven(seed, counters)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
+    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # (R / 2, C / 2, column half, row half)
+    words = gl.reshape(words, [R // 16, 8, C // 16, 8, 2, 2])
+    words = gl.reshape(gl.permute(words, [0, 5, 1, 2, 4, 3]), [R, C])
     keep = (words >> 16) >= (dropout_p * 65536.0).to(gl.uint32)
-    return gl.where(gl.convert_layout(keep, p.type.layout), p, 0.0)
+    return gl.convert_layout(keep, like.type.layout)
+
+
+@gluon.jit
+def dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p):
+    """§16: p (ROWS, N), probabilities of rows first_row ... and keys key0 ... in acc_layout(N), with the dropped
+    ones 0 (keep_tile)."""
+    return gl.where(keep_tile(p, seed, row0, first_row, key0, n_cols, dropout_p, False), p, 0.0)
