@@ -250,15 +250,17 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         st = masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, rows_end, b, SPANS, IDS,
                            stride_ids)
         pt = probabilities(st, lse_row, lse_smem.index(slot), qk_scale, SOFTCAP, LATE_DP, ROWS_FIRST)
-        keep = None  # §16 the forward's mask of this tile, Z^T (keys by queries), with dropout
-        if DROPOUT:
+        if DROPOUT:  # §16 the forward's mask of this tile, Z^T (keys by queries), kept in P^T's signs: a dropped
+            # entry negated (P^T >= 0, and an entry of 0 gives 0 either way), so no mask stays live over the wgmmas
             bh_q = query_tile(t, bh_kv, GROUP, first_m, per_head)[0]
-            keep = keep_tile(pt, seed, bh_q.to(gl.int64) * Tq, start_m, first_key, Tk, dropout_p, True)
-        dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot), keep,
-                                             SOFTCAP, LATE_DP, ROWS_FIRST)
+            pt = gl.where(keep_tile(pt, seed, bh_q.to(gl.int64) * Tq, start_m, first_key, Tk, dropout_p, True), pt,
+                          -pt)
+        dv_token, pt, dpt = issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem.index(slot),
+                                             DROPOUT, SOFTCAP, LATE_DP, ROWS_FIRST)
         if DROPOUT:  # §16 dP^T - Delta becomes Z^T dP^T / (1 - p) - Delta: a dropped score's dS^T is -P^T Delta
             delta = delta_smem.index(slot).load(row_layout)[None, :]  # (1, M)
-            dpt = gl.where(keep, (dpt + delta) * (1.0 / (1.0 - dropout_p)), 0.0) - delta
+            dpt = gl.where(pt > 0.0, (dpt + delta) * (1.0 / (1.0 - dropout_p)), 0.0) - delta
+            pt = gl.abs(pt)
         dst = pt * dpt  # §5 dS^T
         if SINK_ROWS is not None:  # §15
             add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, rows_m, Tq)

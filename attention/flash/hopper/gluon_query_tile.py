@@ -99,16 +99,16 @@ def probabilities(st, lse_row, lse_smem, qk_scale, SOFTCAP: gl.constexpr, LATE_D
     return pt
 
 @gluon.jit
-def issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem, keep, SOFTCAP: gl.constexpr,
-                     LATE_DP: gl.constexpr, ROWS_FIRST: gl.constexpr):
+def issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem, DROPOUT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, LATE_DP: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """dV += P^T dO issued, and dP^T - Delta (KEYS, M) once in (with LATE_DP issued here, before dV, so that the
     wait is for it). With softcap P^T takes 1 - tanh^2 (tt: tanh, score_terms) while dP^T runs, as dS^T needs it.
-    keep: §16's mask of the tile (dV takes the kept P^T), or None. -> (dV's token, still running; P^T as dS^T
-    takes it; dP^T - Delta)."""
+    DROPOUT: §16's dropped entries of P^T come negated (_key_gradients), and dV takes the kept ones. -> (dV's token,
+    still running; P^T as dS^T takes it; dP^T - Delta)."""
     lhs_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(0, zeros.type.layout)  # a value per column of S^T: per query row
-    if keep is not None:
-        pt_op = gl.convert_layout(gl.where(keep, pt, 0.0).to(do.dtype), lhs_layout)
+    if DROPOUT:
+        pt_op = gl.convert_layout(gl.maximum(pt, 0.0).to(do.dtype), lhs_layout)
     else:
         pt_op = gl.convert_layout(pt.to(do.dtype), lhs_layout)
     if LATE_DP:  # §15 dP^T - Delta issued before dV, so that the wait below is for it
