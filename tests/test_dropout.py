@@ -177,18 +177,18 @@ def _philox4x32(seed: int, counters: np.ndarray, rounds: int) -> np.ndarray:
     return np.stack(c).astype(np.uint32)
 
 
-def test_keep_mask_is_philox_over_patches_of_four_scores():
-    # §16's scheme, computed here from its definition: rows {a, a + 8} by columns {c, c + 8} share the Philox draw of
-    # counter (row0 + a) * n_cols + c, one word a score; the Hopper kernels must draw the same
+def test_keep_mask_is_philox_over_patches_of_eight_scores():
+    # §16's scheme, computed here from its definition: rows {a, a + 8} by columns {c, c + 1, c + 8, c + 9} share the
+    # Philox draw of counter (row0 + a) * n_cols + c, half a word a score; the Hopper kernels must draw the same
     _, dropout = _flash()
     seed, B, H, Tq, Tk, p = 987654321987, 2, 3, 40, 56, 0.3
     keep = dropout.keep_mask(torch.tensor([seed]), B, H, Tq, Tk, p).numpy()
     bh, r, j = np.meshgrid(np.arange(B * H), np.arange(Tq), np.arange(Tk), indexing="ij")
-    a, c = 16 * (r // 16) + r % 8, 16 * (j // 16) + j % 8
+    a, c = 16 * (r // 16) + r % 8, 16 * (j // 16) + 2 * ((j % 8) // 2)
     counters = ((bh * Tq + a) * Tk + c).astype(np.uint64)
     words = _philox4x32(seed, counters, rounds=7)
     word = np.take_along_axis(words, (2 * ((r // 8) % 2) + (j // 8) % 2)[None], 0)[0]
-    expected = (word >> 16) >= int(p * 65536)
+    expected = ((word >> (16 * (j % 2))) & 0xFFFF) >= int(p * 65536)
     assert np.array_equal(keep.reshape(B * H, Tq, Tk), expected)
 
 

@@ -334,23 +334,27 @@ def dropout_first(SEED, b, h, H, n_rows, q_start, VARLEN: tl.constexpr):
 def dropout_keep(seed, row0, rows, k_pos, n_cols, dropout_p):
     """§16: (M, N) True where score (rows, k_pos) is kept: rows (M, 1) a query tile's rows counted from row0, k_pos
     (N,) a key tile's columns (a sequence's own for varlen), each tile's first a multiple of 16. The scores come in
-    patches of four, rows {a, a + 8} by columns {c, c + 8} with a and c in the first half of their 16: the four
-    values one thread holds of an MMA accumulator, whether the tile is S (queries by keys) or Sᵀ (keys by queries,
-    the Hopper backward), so every kernel draws each patch once. Patch (a, c) has the counter (row0 + a) * n_cols
-    + c; one Philox draw of it (seven rounds, as FlashAttention-2's) gives four 32-bit words, one a score, kept
-    where its high 16 bits are at or above dropout_p * 2^16: with probability 1 - dropout_p, to within 2^-16."""
+    patches of eight, rows {a, a + 8} by columns {c, c + 1, c + 8, c + 9} (a in the first half of its 16, c even
+    there): the eight values one thread holds of a wgmma accumulator of S (queries by keys, the forwards), four of
+    them where the tile is S^T (the Hopper backward). Patch (a, c) has the counter (row0 + a) * n_cols + c; one
+    Philox draw of it (seven rounds, as FlashAttention-2's) gives four 32-bit words, word 2 * (row half) + (column
+    half) for columns {c, c + 1} + 8 * (column half), its low 16 bits for the even column and its high 16 for the
+    odd; a score is kept where its value is at or above dropout_p * 2^16: with probability 1 - dropout_p, to within
+    2^-16."""
     M: tl.constexpr = rows.shape[0]
     N: tl.constexpr = k_pos.shape[0]
     i = tl.arange(0, M // 2)
-    j = tl.arange(0, N // 2)
+    j = tl.arange(0, N // 4)
     a = tl.min(rows) + (i // 8) * 16 + i % 8  # (M / 2,) the patches' first rows
-    c = tl.min(k_pos, 0) + (j // 8) * 16 + j % 8  # (N / 2,) and first columns
-    counters = (row0 + a.to(tl.int64))[:, None] * n_cols + c[None, :]  # (M / 2, N / 2)
-    w0, w1, w2, w3 = tl.randint4x(seed, counters, 7)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
-    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (M / 2, N / 2, column half, row half)
-    words = tl.reshape(words, (M // 16, 8, N // 16, 8, 2, 2))
-    words = tl.reshape(tl.permute(words, (0, 5, 1, 2, 4, 3)), (M, N))  # row = 16 * . + 8 * half + ., columns alike
-    return (words >> 16) >= tl.cast(dropout_p * 65536.0, tl.uint32)
+    c = tl.min(k_pos, 0) + (j // 4) * 16 + (j % 4) * 2  # (N / 4,) and first columns
+    counters = (row0 + a.to(tl.int64))[:, None] * n_cols + c[None, :]  # (M / 2, N / 4)
+    w0, w1, w2, w3 = tl.randint4x(seed, counters, 7)  # rows a, a + 8 by columns c, c + 8: 00, 01, 10, 11
+    words = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (M / 2, N / 4, column half, row half)
+    values = tl.join(words & 0xFFFF, words >> 16)  # (M / 2, N / 4, column half, row half, column parity)
+    values = tl.reshape(values, (M // 16, 8, N // 16, 4, 2, 2, 2))
+    # row = 16 * . + 8 * (row half) + ., column = 16 * . + 8 * (column half) + 2 * . + parity
+    values = tl.reshape(tl.permute(values, (0, 5, 1, 2, 4, 3, 6)), (M, N))
+    return values >= tl.cast(dropout_p * 65536.0, tl.uint32)
 
 
 @triton.jit

@@ -5,23 +5,38 @@ the other way round) drop the same probabilities.
     p = dropout_tile(p, seed, row0, first_row, key0, n_cols, dropout_p)   # p (ROWS, N) in acc_layout(N)
     keep = keep_tile(pt, seed, row0, first_query, first_key, n_cols, dropout_p, True)   # the backward's S^T tile
 
-A thread of a wgmma accumulator holds rows {a, a + 8} of each 16 and columns {c, c + 1} of each 8, so of every
-patch of four scores §16 draws together (rows {a, a + 8} by columns {c, c + 8}) it holds all four or none: the
-Philox draws run on a grid of patches laid out so (patch_layout), and the four words move to their scores within
-each thread, never through shared memory.
+A thread of a wgmma accumulator holds rows {a, a + 8} of each 16 and columns {c, c + 1} of each 8. Of a patch of
+eight scores §16 draws together (rows {a, a + 8} by columns {c, c + 1, c + 8, c + 9}) the forward's thread holds all
+eight, so its draws run on a grid of patches laid out so (forward_patches), one draw per eight scores. In the
+backward's S^T (keys by queries) a thread holds two keys of each 16, c or c + 1 and 8 on: half of each patch, so it
+draws its patches (backward_patches) and keeps the half words of its keys, one draw per four scores. Either way the
+words move to their scores within each thread, never through shared memory.
 """
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+# A wgmma accumulator (4 warps of 16 rows) puts a row's bits 0-2 in lane bits 2-4, bit 3 in a register, bits 4-5 in
+# the warp; a column's bit 0 in a register, bits 1-2 in lane bits 0-1, the rest in registers. A patch grid keeps
+# each index bit where the accumulator has it, less the bits inside a patch.
+
 
 @triton.constexpr_function
-def patch_layout(rows, cols):
-    """The layout of a (rows / 2, cols / 2) grid of §16's patches in which each thread holds the patches of its own
-    scores in acc_layout(cols) (4 warps of 16 rows): patch (i, j) covers rows 16 * (i // 8) + i % 8 + {0, 8} and
-    columns 16 * (j // 8) + j % 8 + {0, 8}. The accumulator puts a row's bits 0-2 in lane bits 2-4, bit 3 in a
-    register, bits 4-5 in the warp; a column's bit 0 in a register, bits 1-2 in lane bits 0-1, the rest in
-    registers. A patch index drops the row's and the column's bit 3 (the patch's four scores): the rest stay put."""
+def forward_patches(rows, cols):
+    """The layout of a (rows / 2, cols / 4) grid of §16's patches in which each thread holds the patches of its own
+    scores in acc_layout(cols): patch (i, j) covers rows 16 * (i // 8) + i % 8 + {0, 8} and columns 16 * (j // 4) +
+    2 * (j % 4) + {0, 1, 8, 9} (a column index without its bits 0 and 3)."""
+    registers = [[0, 1 << bit] for bit in range(2, (cols // 4).bit_length() - 1)]
+    lanes = [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]]
+    warps = [[8, 0], [16, 0]]
+    return gl.DistributedLinearLayout(registers, lanes, warps, [], [rows // 2, cols // 4])
+
+
+@triton.constexpr_function
+def backward_patches(rows, cols):
+    """The layout of a (rows / 2, cols / 2) grid in acc_layout(cols) of S^T (keys by queries) in which each thread
+    holds, per key pair {k, k + 8} of its own and query pair {a, a + 8}, the patch they fall in: element (i, j) is
+    keys 16 * (i // 8) + i % 8 + {0, 8}, queries 16 * (j // 8) + j % 8 + {0, 8} (each index without its bit 3)."""
     registers = [[0, 1]] + [[0, 1 << bit] for bit in range(3, (cols // 2).bit_length() - 1)]
     lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
     warps = [[8, 0], [16, 0]]
@@ -57,23 +72,32 @@ def keep_tile(like, seed, row0, first_query, first_key, n_cols, dropout_p, TRANS
     key count that the counters step by."""
     R: gl.constexpr = like.shape[0]
     C: gl.constexpr = like.shape[1]
-    patches: gl.constexpr = patch_layout(R, C)
-    i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
-    j = gl.arange(0, C // 2, layout=gl.SliceLayout(0, patches))
-    if TRANSPOSED:  # rows are keys: (R / 2, C / 2) patches of (key pair, query pair)
-        c = first_key + (i // 8) * 16 + i % 8
+    if TRANSPOSED:  # (R / 2, C / 2): per key pair {k, k + 8} and query pair {a, a + 8}, its patch's words
+        patches: gl.constexpr = backward_patches(R, C)
+        i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
+        j = gl.arange(0, C // 2, layout=gl.SliceLayout(0, patches))
+        k = first_key + (i // 8) * 16 + i % 8
         a = first_query + (j // 8) * 16 + j % 8
-        counters = (row0 + a.to(gl.int64))[None, :] * n_cols + c[:, None]
-        w0, w2, w1, w3 = philox_seven(seed, counters)  # the words of (key half, query half) 00, 01, 10, 11
-    else:
+        counters = (row0 + a.to(gl.int64))[None, :] * n_cols + (k - k % 2)[:, None]
+        w0, w1, w2, w3 = philox_seven(seed, counters)  # queries a, a + 8 by keys c, c + 8: 00, 01, 10, 11
+        shift = ((k % 2) * 16).to(gl.uint32)[:, None]  # the odd key's value is the high half
+        # (R / 2, C / 2, query half, key half): the words in S^T's order, key half then query half
+        values = gl.join(gl.join(w0 >> shift, w2 >> shift), gl.join(w1 >> shift, w3 >> shift)) & 0xFFFF
+        values = gl.reshape(values, [R // 16, 8, C // 16, 8, 2, 2])
+        values = gl.reshape(gl.permute(values, [0, 5, 1, 2, 4, 3]), [R, C])
+    else:  # (R / 2, C / 4): the patches, eight scores each
+        patches: gl.constexpr = forward_patches(R, C)
+        i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
+        j = gl.arange(0, C // 4, layout=gl.SliceLayout(0, patches))
         a = first_query + (i // 8) * 16 + i % 8  # (R / 2,) the patches' first rows
-        c = first_key + (j // 8) * 16 + j % 8  # (C / 2,) and first columns
-        counters = (row0 + a.to(gl.int64))[:, None] * n_cols + c[None, :]  # (R / 2, C / 2)
-        w0, w1, w2, w3 = philox_seven(seed, counters)  # (a, c), (a, c + 8), (a + 8, c), (a + 8, c + 8)
-    words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # (R / 2, C / 2, column half, row half)
-    words = gl.reshape(words, [R // 16, 8, C // 16, 8, 2, 2])
-    words = gl.reshape(gl.permute(words, [0, 5, 1, 2, 4, 3]), [R, C])
-    keep = (words >> 16) >= (dropout_p * 65536.0).to(gl.uint32)
+        c = first_key + (j // 4) * 16 + (j % 4) * 2  # (C / 4,) and first columns
+        counters = (row0 + a.to(gl.int64))[:, None] * n_cols + c[None, :]
+        w0, w1, w2, w3 = philox_seven(seed, counters)  # rows a, a + 8 by columns c, c + 8: 00, 01, 10, 11
+        words = gl.join(gl.join(w0, w1), gl.join(w2, w3))  # (R / 2, C / 4, column half, row half)
+        values = gl.join(words & 0xFFFF, words >> 16)  # (..., column parity)
+        values = gl.reshape(values, [R // 16, 8, C // 16, 4, 2, 2, 2])
+        values = gl.reshape(gl.permute(values, [0, 5, 1, 2, 4, 3, 6]), [R, C])
+    keep = values >= (dropout_p * 65536.0).to(gl.uint32)
     return gl.convert_layout(keep, like.type.layout)
 
 
