@@ -5,7 +5,9 @@
 Every backend builds the same model from train.py's config and flags (make_step: forward, backward, clip,
 AdamW; nothing else), runs its warm-up steps (compilation, the kernels' tile tuning), and then the timed steps
 run in rounds: each round gives every backend `--steps` steps in turn, the order starting one further along
-each round, so a change of clocks or temperature during the run falls on all of them alike. Then a few steps per backend
+each round, so a change of clocks or temperature during the run falls on all of them alike. Steps run as train.py
+runs them, each queued before the previous one's results are read, so a step's time is what training gets: the host's
+time to issue a step shows only where it exceeds the GPU's. Then a few steps per backend
 run under torch.profiler, which splits the GPU time of a step into attention kernels, matmuls and the rest:
 a difference in step time shows up as a difference in one of those, or (if the kernels' sum is well below
 the step: GPU idle) as host time. Writes results.json and results.md to --out_dir.
@@ -32,7 +34,7 @@ from train import open_loader
 from training.config import ConfigError, parse_args
 from training.distributed import World
 from training.preflight import pick_device, pick_dtype, set_tf32
-from training.step import TrainStep
+from training.step import LaunchedStep, TrainStep
 
 # GPU kernels by name. Ours are attn_fwd*/attn_bwd_* (the Hopper backward's pre- and post-pass too) and _moba_*;
 # PyTorch's sdpa runs cuDNN ("cudnn ... sdpa"), FlashAttention ("flash") or memory-efficient ("fmha") kernels.
@@ -51,8 +53,8 @@ def kernel_category(name: str) -> str:
 
 
 def make_step(cfg, world: World, compile_mode: str = "default", built: dict | None = None
-              ) -> tuple[Callable[[], None], torch.device, torch.dtype]:
-    """-> (step, device, dtype): step() runs one training step of a model built from cfg, train.py's step
+              ) -> tuple[Callable[[], LaunchedStep], torch.device, torch.dtype]:
+    """-> (step, device, dtype): step() queues one training step of a model built from cfg, train.py's step
     (training/step.py: forward and backward over the gradient-accumulation micro-batches, clip, the non-finite check
     as cfg.nonfinite says, AdamW), without syncing beyond the step's own. compile_mode: torch.compile's mode when
     cfg.compile ("reduce-overhead" replays CUDA graphs). built: models by their settings, so that runs which differ
@@ -76,22 +78,28 @@ def make_step(cfg, world: World, compile_mode: str = "default", built: dict | No
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device.type, dtype=dtype)
     train_step = TrainStep(*parts, autocast, device, cfg.grad_accum_steps(world.size), cfg.grad_clip, world.size,
                            no_sync=None, check_finite=cfg.nonfinite != "off")
-    return lambda: train_step(cfg.learning_rate, False).wait(), device, dtype
+    return lambda: train_step(cfg.learning_rate, False), device, dtype
 
 
-def timed_steps(step: Callable[[], None], device: torch.device, n: int, wait_for_gpu: bool = True) -> list[float]:
-    """ms of each of n steps, each timed from a synced GPU to a synced GPU; with wait_for_gpu=False only
-    until step() returns, which is the host's time to issue the step's work."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda" and wait_for_gpu:
-            torch.cuda.synchronize()
-        times.append(1000 * (time.perf_counter() - t0))
-    return times
+def timed_steps(step: Callable[[], LaunchedStep], n: int) -> tuple[list[float], list[float]]:
+    """(ms of each of n steps, ms the host took to queue each), run as train.py runs them: step i + 1 is queued
+    before step i's results are read. A step's time is its span on the GPU's stream (LaunchedStep's events: the
+    GPU's wait for the host inside the step counts, the host's lead does not); without a GPU, the wall time between
+    two steps' results."""
+    step_ms, host_ms, pending = [], [], None
+    last = time.perf_counter()
+    for i in range(n + 1):
+        launched = None
+        if i < n:
+            t0 = time.perf_counter()
+            launched = step()
+            host_ms.append(1000 * (time.perf_counter() - t0))
+        if pending is not None:
+            device_ms, now = pending.wait().device_ms, time.perf_counter()
+            step_ms.append(device_ms if device_ms is not None else 1000 * (now - last))
+            last = now
+        pending = launched
+    return step_ms, host_ms
 
 
 def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | None = None) -> dict:
@@ -99,7 +107,13 @@ def gpu_time_per_step(step, device: torch.device, n_steps: int, trace: Path | No
     busy_ms: the time at least one kernel ran (kernels of different streams can overlap), so that the
     profiled steps' wall_ms - busy_ms is the time the GPU sat idle, waiting for the host."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall_ms = statistics.mean(timed_steps(step, device, n_steps))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        timed_steps(step, n_steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - t0) / n_steps
     if trace is not None:  # for chrome://tracing or ui.perfetto.dev: where the GPU waits, and on what
         prof.export_chrome_trace(str(trace))
     by_category = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
@@ -162,11 +176,13 @@ def main(argv=None) -> dict:
         flags = [f"--{flag}" for flag in flags.split("+") if flag] or [f"--attn={name}"]
         cfgs[name] = parse_args([*train_argv, *flags, "--wandb=false"])
         steps[name], device, dtype = make_step(cfgs[name], world, args.compile_mode, built)
-        timed_steps(steps[name], device, args.warmup)
-    step_ms = {name: [] for name in steps}
+        timed_steps(steps[name], args.warmup)
+    step_ms, host_ms = {name: [] for name in steps}, {name: [] for name in steps}
     for order in rotations(list(steps), args.rounds):
         for name in order:
-            step_ms[name] += timed_steps(steps[name], device, args.steps)
+            times, issue = timed_steps(steps[name], args.steps)
+            step_ms[name] += times
+            host_ms[name] += issue
 
     cfg = next(iter(cfgs.values()))
     tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum_steps(world.size)
@@ -180,10 +196,9 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, step in steps.items():
         median = statistics.median(step_ms[name])
-        # host: the time to issue a step; near the step's own time, the host and not the GPU sets the pace
-        host_ms = statistics.median(timed_steps(step, device, args.steps, wait_for_gpu=False))
+        # host: the time to queue a step; near the step's own time, the host and not the GPU sets the pace
         results["backends"][name] = dict(median_ms=median, min_ms=min(step_ms[name]), tokens_per_s=tokens / median * 1e3,
-                                         host_ms=host_ms, step_ms=step_ms[name])
+                                         host_ms=statistics.median(host_ms[name]), step_ms=step_ms[name])
         if args.profile_steps:
             trace = out_dir / f"trace_{name}.json" if args.trace else None
             results["backends"][name]["profile"] = gpu_time_per_step(step, device, args.profile_steps, trace)
@@ -214,8 +229,9 @@ def report(results: dict) -> str:
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
         f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds "
         f"x {s['steps']} steps per backend, "
-        f"rounds interleaved with the order rotating, after {s['warmup']} warm-up steps; host: median time to issue a step (step() "
-        f"returning, before the GPU is done); GPU kernel time per step from torch.profiler "
+        f"rounds interleaved with the order rotating, after {s['warmup']} warm-up steps; each step queued before the previous "
+        f"one's results are read, as train.py runs them, and timed by its span on the GPU's stream; host: median time to "
+        f"queue a step; GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
         f"wall time in which no kernel ran).\n",
         markdown_table(["backend", "median ms/step", "min ms", "host ms", "tokens/s", f"speed vs {first}", "GPU kernels ms",
