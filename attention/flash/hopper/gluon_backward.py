@@ -263,7 +263,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             pt = gl.abs(pt)
         dst = pt * dpt  # §5 dS^T
         if SINK_ROWS is not None:  # §15
-            add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, rows_m, Tq)
+            add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, Tq)
         dst = dst.to(q_smem.dtype)
         dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
 

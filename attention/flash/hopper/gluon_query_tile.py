@@ -129,13 +129,16 @@ def issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem, DROPO
     return dv_token, pt, dpt
 
 @gluon.jit
-def add_sink_rows(dst, SINK_ROWS, bh, start_m, rows_m, Tq):
+def add_sink_rows(dst, SINK_ROWS, bh, start_m, Tq):
     """§15 the sinks' rows: this tile's part of each query row's sum over keys of dS = P (dP - Delta), from dS^T
     (KEYS, M) in float32, added into SINK_ROWS (the rows of (B*Hq, Tq)), where the pre-pass put Delta (1 - P_sink):
     the sum of P dP over the row's keys then, whatever Delta's rounding (attn_bwd_prepare)."""
-    part = gl.sum(dst, axis=0)  # (M,) over the warpgroup's keys
-    rows = start_m + rows_m
-    gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, part, mask=rows < Tq, sem="relaxed")  # no fences
+    # each warp adds its own 16 keys' sums: a sum across the warpgroup's warps would pass through shared memory and
+    # a barrier ahead of the dK product; four relaxed atomics a row are stores the consumers do not wait on
+    per_warp = gl.sum(gl.reshape(dst, [4, KEYS // 4, dst.shape[1]]), axis=1)  # (4, M): rows of keys by warp
+    rows, _ = gl.broadcast(start_m + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, per_warp.type.layout))[None, :],
+                           per_warp)  # (4, M)
+    gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, per_warp, mask=rows < Tq, sem="relaxed")  # no fences
 
 @gluon.jit
 def share_ds(dst, ds_smem, ds_ready, ds_empty, t, WG: gl.constexpr):
