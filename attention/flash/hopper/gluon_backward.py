@@ -261,11 +261,11 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
             delta = delta_smem.index(slot).load(row_layout)[None, :]  # (1, M)
             dpt = gl.where(pt > 0.0, (dpt + delta) * (1.0 / (1.0 - dropout_p)), 0.0) - delta
             pt = gl.abs(pt)
-        dst = pt * dpt  # §5 dS^T
-        if SINK_ROWS is not None:  # §15
-            add_sink_rows(dst, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, Tq)
-        dst = dst.to(q_smem.dtype)
+        dst_f32 = pt * dpt  # §5 dS^T
+        dst = dst_f32.to(q_smem.dtype)
         dk_token = warpgroup_mma(gl.convert_layout(dst, lhs_layout), q, dk, is_async=True)  # dK += dS^T Q
+        if SINK_ROWS is not None:  # §15, after the dK product is issued, so the sums run under it
+            add_sink_rows(dst_f32, SINK_ROWS, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], start_m, Tq)
 
         # dQ: both halves of dS^T in shared memory, then this warpgroup's part of dQ (k_dq above) of query tile
         # u: this one, or at hs=128 for warpgroup 1 the one before (LAG), whose halves are usually in already, so

@@ -134,7 +134,7 @@ def add_sink_rows(dst, SINK_ROWS, bh, start_m, Tq):
     (KEYS, M) in float32, added into SINK_ROWS (the rows of (B*Hq, Tq)), where the pre-pass put Delta (1 - P_sink):
     the sum of P dP over the row's keys then, whatever Delta's rounding (attn_bwd_prepare)."""
     # each warp adds its own 16 keys' sums: a sum across the warpgroup's warps would pass through shared memory and
-    # a barrier ahead of the dK product; four relaxed atomics a row are stores the consumers do not wait on
+    # a barrier; four relaxed atomics a row are stores the consumers do not wait on
     per_warp = gl.sum(gl.reshape(dst, [4, KEYS // 4, dst.shape[1]]), axis=1)  # (4, M): rows of keys by warp
     rows, _ = gl.broadcast(start_m + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, per_warp.type.layout))[None, :],
                            per_warp)  # (4, M)
