@@ -96,15 +96,23 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const int m_tiles = first_query < Tq ? (Tq - m_first + BM - 1) / BM : 0;
     const int steps = group * m_tiles;  // §7: every query head of the group, one after the other
 
-    // step -> (query head, first query row) and the asynchronous loads of its Q and dO tiles into buffer buf
+    // step -> (query head, first query row) and the asynchronous loads of its Q and dO tiles, and of its rows' lse
+    // (§4) and Delta (§5), into buffer buf: all of them arrive while the previous step computes
     auto head_of = [&](int step) { return h_kv * group + step / m_tiles; };
     auto row_of = [&](int step) { return m_first + (step % m_tiles) * BM; };
+    auto rows_of = [&](int step) { return (static_cast<int64_t>(b) * p.heads_q + head_of(step)) * Tq; };  // lse rows
     auto issue = [&](int step, int buf) {
         const int h = head_of(step), m0 = row_of(step);
         const T *q = static_cast<const T *>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
         const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head;
         load_tile_async<T, BM, D, BWD_THREADS>(s_q + buf * BM * D, q, p.q_stride.row, m0, Tq, tid);
         load_tile_async<T, BM, D, BWD_THREADS>(s_do + buf * BM * D, dout, p.do_stride.row, m0, Tq, tid);
+        if (tid < BM) {
+            const bool valid = m0 + tid < Tq;
+            const int64_t row = valid ? rows_of(step) + m0 + tid : 0;
+            cp_async_4(s_lse + buf * BM + tid, p.lse + row, valid);
+            cp_async_4(s_delta + buf * BM + tid, p.delta + row, valid);  // 0 past Tq
+        }
     };
     if (steps > 0) issue(0, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
@@ -117,14 +125,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const int dq_row = (warp % ROW_BLOCKS) * 16, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
 
     for (int step = 0; step < steps; ++step) {
-        const int buf = STAGES == 2 ? step & 1 : 0, h = head_of(step), m0 = row_of(step);
-        const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * Tq;  // of lse, Delta, dq_accum rows
-        // §4 lse (to base 2, §8) and §5 Delta of the step's rows; a row past Tq gets lse = +inf, so its P is 0
-        if (tid < BM) {
-            const int row = m0 + tid;
-            s_lse[buf * BM + tid] = row < Tq ? p.lse[row_base + row] * LOG2E : INFINITY;
-            s_delta[buf * BM + tid] = row < Tq ? p.delta[row_base + row] : 0.f;
-        }
+        const int buf = STAGES == 2 ? step & 1 : 0, m0 = row_of(step);
+        const int64_t row_base = rows_of(step);  // of dq_accum's rows
         // double buffering (the num_stages = 2 of §9): the next step's Q and dO are in flight while this one computes;
         // with one buffer they are loaded at the end of the step
         if (STAGES == 2 && step + 1 < steps) {
@@ -134,6 +136,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         } else {
             cp_async_wait<0>();
         }
+        // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
+        if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
         __syncthreads();
         const T *q_tile = s_q + buf * BM * D, *do_tile = s_do + buf * BM * D;
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
@@ -232,8 +236,12 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             float *dq_accum = p.dq_accum + (row_base + row) * D + dq_col + 2 * t;
 #pragma unroll
             for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+#if __CUDA_ARCH__ >= 900  // a pair of floats in one vector atomic: a row's 4 threads fill a 32-byte sector
+                atomicAdd(reinterpret_cast<float2 *>(dq_accum + dn * 8), make_float2(dq[dn][2 * r], dq[dn][2 * r + 1]));
+#else
                 atomicAdd(dq_accum + dn * 8, dq[dn][2 * r]);
                 atomicAdd(dq_accum + dn * 8 + 1, dq[dn][2 * r + 1]);
+#endif
             }
         }
         __syncthreads();  // the buffers, P^T and dS^T are overwritten by the next steps

@@ -153,6 +153,14 @@ __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool val
                  "r"(src_bytes));
 }
 
+// 4 bytes (one float) from src to dst, or a zero where valid is false: a row's lse or Delta (cp.async.cg copies 16
+// bytes only, .ca any of 4, 8 and 16).
+__device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool valid) {
+    const int src_bytes = valid ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_address(dst)), "l"(src),
+                 "r"(src_bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // wait until at most N of this thread's committed copy groups are still in flight
