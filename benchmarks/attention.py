@@ -255,10 +255,10 @@ def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, dev
             rounds: int = 1, layout: str = "contiguous") -> dict[str, dict[str, dict]]:
     """name -> pass -> {"ms", "tflops", "peak_mem_gib", "status"} for backends fns (name -> fn) on one shape, side by
     side. Every (backend, pass) first runs once (compilation and autotuning happen there, outside the timing); then
-    `rounds` rounds time each once (median_ms), the order rotating by one per round, and a cell's ms is the median
-    of its rounds. Timed one after the other, a kernel runs at the clock the one before left the GPU (under a power
-    cap, a kernel that draws more lowers it for the next), so a fixed order would favour whichever backend goes
-    first. layout: the inputs' (inputs_of)."""
+    `rounds` rounds time each once (median_ms), each round starting further along and in another order (rotations),
+    and a cell's ms is the median of its rounds. Timed one after the other, a kernel runs at the clock the one before
+    left the GPU (under a power cap, a kernel that draws more lowers it for the next), so a fixed order would favour
+    whichever backend goes first, or after the lightest. layout: the inputs' (inputs_of)."""
     cells = {name: {} for name in fns}
     inputs, steps = {}, []  # steps: the (name, pass) that ran their warm-up
     for name, fn in fns.items():

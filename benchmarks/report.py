@@ -5,6 +5,7 @@ import datetime
 import functools
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -158,9 +159,14 @@ def thin(xs: list, ys: list, most: int = MOST_POINTS) -> tuple[list, list]:
 
 
 def rotations(items: list, rounds: int) -> list[list]:
-    """The order of each of `rounds` rounds: the items rotated by one more each round, so that no item is always timed
-    right after the same one (see measure)."""
-    return [items[r % max(len(items), 1):] + items[:r % max(len(items), 1)] for r in range(rounds)]
+    """The order of each of `rounds` rounds: round r starts r items further along and steps through them by its own
+    stride (1, n - 1, 2, n - 2, ..., those coprime with n, so each order holds every item once). Why: a cell runs at
+    the clock the cell before it left (docs/perf_notes.md §1), and rotating one order keeps each item's predecessor
+    round after round; with the strides it changes every round."""
+    n = len(items)
+    strides = [s for k in range(1, n) for s in (k, n - k) if math.gcd(s, n) == 1]
+    strides = list(dict.fromkeys(strides)) or [1]
+    return [[items[(r + k * strides[r % len(strides)]) % n] for k in range(n)] for r in range(rounds)]
 
 
 def default_out_dir(name: str) -> Path:

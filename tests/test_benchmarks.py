@@ -105,10 +105,16 @@ def test_sweep_records_a_skip_and_resumes_without_remeasuring(tmp_path, monkeypa
     assert [(r["backend"], r["pass"]) for r in resumed["rows"][2:]] == [("naive", "bwd"), ("sdpa", "bwd")]
 
 
-def test_rotations_start_each_round_one_further_along():
-    assert report.rotations(["x", "y", "z"], 4) == [["x", "y", "z"], ["y", "z", "x"], ["z", "x", "y"], ["x", "y", "z"]]
+def test_rotations_start_further_along_and_change_what_comes_before_each_item():
+    assert report.rotations(["x", "y", "z"], 4) == [["x", "y", "z"], ["y", "x", "z"], ["z", "x", "y"], ["x", "z", "y"]]
     assert report.rotations(["x"], 2) == [["x"], ["x"]]
     assert report.rotations([], 2) == [[], []]
+    cells = list(range(24))  # the terms stage's 12 candidates x 2 passes
+    orders = report.rotations(cells, 5)
+    assert all(sorted(order) == cells for order in orders)
+    assert [order[0] for order in orders] == [0, 1, 2, 3, 4]
+    before = {cell: {order[order.index(cell) - 1] for order in orders if order.index(cell)} for cell in cells}
+    assert min(len(b) for b in before.values()) >= 4  # rotation alone left one predecessor per cell
 
 
 def test_tools_write_under_out_by_default(tmp_path, monkeypatch):
