@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from attention.flash.native import wait as native_launcher_built
 from attention.integrations.transformers import register
-from benchmarks.report import write_results
+from benchmarks.report import rotations, write_results
 
 SHAPES = [(4, 2048), (1, 8192)]  # (batch, tokens per row)
 
@@ -66,8 +66,7 @@ def measure(rounds: int, steps: int) -> list[dict]:
                 steps_of[name]()
         native_launcher_built()  # (built in the background from the first eager call) so every timed step has it
         times = {name: [] for name in variants}
-        for r in range(rounds):
-            names = list(variants)[r % len(variants):] + list(variants)[:r % len(variants)]
+        for names in rotations(list(variants), rounds):
             for name in names:
                 model.set_attn_implementation(variants[name])
                 times[name].append(step_ms(steps_of[name], steps))

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import attention
 from benchmarks.attention import inputs_of
-from benchmarks.report import write_results
+from benchmarks.report import rotations, write_results
 
 def host_us(fn, calls=40) -> tuple[float, float]:
     """-> (host, wall) us per call over `calls` calls in a row: host until the last call returns, wall until the GPU
@@ -169,8 +169,7 @@ def measure(shapes: dict, rounds: int) -> list[dict]:
             calls = {name: make_call(backend, context, q, k, v, do, grad)
                      for name, (backend, context) in BACKENDS.items()}
             times = {name: [] for name in calls}
-            for r in range(rounds):
-                names = list(calls)[r % len(calls):] + list(calls)[:r % len(calls)]
+            for names in rotations(list(calls), rounds):
                 for name in names:
                     times[name].append(host_us(calls[name]))
             for name, call in calls.items():
