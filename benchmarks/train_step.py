@@ -4,11 +4,11 @@
 
 Every backend builds the same model from train.py's config and flags (make_step: forward, backward, clip,
 AdamW; nothing else), runs its warm-up steps (compilation, the kernels' tile tuning), and then the timed steps
-run in rounds: each round gives every backend `--steps` steps in turn, the order starting one further along
-each round, so a change of clocks or temperature during the run falls on all of them alike. Steps run as train.py
-runs them, each queued before the previous one's results are read, so a step's time is what training gets: the host's
-time to issue a step shows only where it exceeds the GPU's. Then a few steps per backend
-run under torch.profiler, which splits the GPU time of a step into attention kernels, matmuls and the rest:
+run in rounds: each round gives every backend `--steps` steps in turn, each round in another order
+(report.rotations), so a change of clocks or temperature during the run falls on all of them alike. Steps run as
+train.py runs them, each queued before the previous one's results are read, so a step's time is what training gets:
+the host's time to issue a step shows only where it exceeds the GPU's. Then a few steps per backend run under
+torch.profiler, which splits the GPU time of a step into attention kernels, matmuls and the rest:
 a difference in step time shows up as a difference in one of those, or (if the kernels' sum is well below
 the step: GPU idle) as host time. Writes results.json and results.md to --out_dir.
 """
@@ -229,9 +229,9 @@ def report(results: dict) -> str:
         f"{env['date']}. {s['model']}, B={s['batch_size']}, T={s['block_size']} ({s['tokens_per_step']:,} tokens "
         f"per step), compile={s['compile']} (mode {s.get('compile_mode', 'default')}). Median of {s['rounds']} rounds "
         f"x {s['steps']} steps per backend, "
-        f"rounds interleaved with the order rotating, after {s['warmup']} warm-up steps; each step queued before the previous "
-        f"one's results are read, as train.py runs them, and timed by its span on the GPU's stream; host: median time to "
-        f"queue a step; GPU kernel time per step from torch.profiler "
+        f"rounds interleaved with the order rotating, after {s['warmup']} warm-up steps; each step queued before the "
+        f"previous one's results are read, as train.py runs them, and timed by its span on the GPU's stream; host: "
+        f"median time to queue a step; GPU kernel time per step from torch.profiler "
         f"over {s['profile_steps']} steps (attention / matmul / other by kernel name; idle: the profiled steps' "
         f"wall time in which no kernel ran).\n",
         markdown_table(["backend", "median ms/step", "min ms", "host ms", "tokens/s", f"speed vs {first}", "GPU kernels ms",

@@ -136,8 +136,8 @@ def add_sink_rows(dst, SINK_ROWS, bh, start_m, Tq):
     # each warp adds its own 16 keys' sums: a sum across the warpgroup's warps would pass through shared memory and
     # a barrier; four relaxed atomics a row are stores the consumers do not wait on
     per_warp = gl.sum(gl.reshape(dst, [4, KEYS // 4, dst.shape[1]]), axis=1)  # (4, M): rows of keys by warp
-    rows, _ = gl.broadcast(start_m + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, per_warp.type.layout))[None, :],
-                           per_warp)  # (4, M)
+    queries = start_m + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, per_warp.type.layout))  # (M,)
+    rows, _ = gl.broadcast(queries[None, :], per_warp)  # (4, M)
     gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, per_warp, mask=rows < Tq, sem="relaxed")  # no fences
 
 @gluon.jit
