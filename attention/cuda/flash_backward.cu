@@ -67,7 +67,7 @@ template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
     constexpr int BN = BWD_BLOCK_N, BM = backward_block_m<D>(), HALF_M = BM / 2, HALF_D = D / 2;
     using E = Element<T>;
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_k = reinterpret_cast<T *>(smem);
     T *s_v = s_k + BN * D;
     T *s_q = s_v + BN * D;            // STAGES buffers of BM x D
@@ -124,6 +124,15 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     constexpr int ROW_BLOCKS = BM / 16, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
     const int dq_row = (warp % ROW_BLOCKS) * 16, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
 
+    // The lane's shared-memory addresses of the first block each product reads, and of its first P^T / dS^T element
+    // (a byte offset in the tile); every other block is block_at one of them (rows of buffer buf: + buf * BM)
+    const uint32_t k_rows = a_pattern<D>(s_k, key0, 0, lane), v_rows = a_pattern<D>(s_v, key0, 0, lane);
+    const uint32_t q_cols = b_pattern<D>(s_q, query0, 0, lane), do_cols = b_pattern<D>(s_do, query0, 0, lane);
+    const uint32_t pt_rows = a_pattern<BM>(s_pt, key0, 0, lane), dst_rows = a_pattern<BM>(s_dst, key0, 0, lane);
+    const uint32_t do_half = a_pattern<D>(s_do, 0, col0, lane), q_half = a_pattern<D>(s_q, 0, col0, lane);
+    const uint32_t ds_rows = b_pattern<BM>(s_dst, 0, dq_row, lane), k_cols = a_pattern<D>(s_k, 0, dq_col, lane);
+    const uint32_t p_element = swizzle<BM>(key0 + g, query0 + 2 * t) * sizeof(T);
+
     for (int step = 0; step < steps; ++step) {
         const int buf = STAGES == 2 ? step & 1 : 0, m0 = row_of(step);
         const int64_t row_base = rows_of(step);  // of dq_accum's rows
@@ -139,7 +148,6 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
         __syncthreads();
-        const T *q_tile = s_q + buf * BM * D, *do_tile = s_do + buf * BM * D;
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
 
         // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
@@ -150,14 +158,14 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             uint32_t ak[2][4], av[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                ldmatrix_x4(ak[mt], a_pattern<D>(s_k, key0 + mt * 16, kk * 16, lane));
-                ldmatrix_x4(av[mt], a_pattern<D>(s_v, key0 + mt * 16, kk * 16, lane));
+                ldmatrix_x4(ak[mt], block_at<D>(k_rows, mt * 16, kk * 16));
+                ldmatrix_x4(av[mt], block_at<D>(v_rows, mt * 16, kk * 16));
             }
 #pragma unroll
             for (int nb = 0; nb < HALF_M / 16; ++nb) {
                 uint32_t bq[4], bo[4];
-                ldmatrix_x4(bq, b_pattern<D>(q_tile, query0 + nb * 16, kk * 16, lane));
-                ldmatrix_x4(bo, b_pattern<D>(do_tile, query0 + nb * 16, kk * 16, lane));
+                ldmatrix_x4(bq, block_at<D>(q_cols, buf * BM + nb * 16, kk * 16));
+                ldmatrix_x4(bo, block_at<D>(do_cols, buf * BM + nb * 16, kk * 16));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     mma_16x16<T>(st[mt][2 * nb], st[mt][2 * nb + 1], ak[mt], bq);
@@ -166,26 +174,44 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             }
         }
 
-        // §4: P^T = exp2(S^T * scale * log2(e) - lse); §6: masked only where the tiles straddle the diagonal or the
-        // key tile is ragged; §5: dS^T = P^T o (dP^T - Delta). Both go to shared memory in the inputs' dtype (§8)
-        const bool masked = n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift);
+        // §4: P^T = exp2(S^T * scale * log2(e) - lse), in place of S^T; §6: masked only where the tiles straddle the
+        // diagonal or the key tile is ragged, so the other steps skip the visibility tests; §5: dS^T = P^T o (dP^T -
+        // Delta). Both go to shared memory in the inputs' dtype (§8). Element e of fragment (mt, nb) is key
+        // key0 + mt * 16 + g + 8 (e / 2), query query0 + nb * 8 + 2t + e % 2 (the C layout, flash_common.cuh).
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nb = 0; nb < HALF_M / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[query0 + nb * 8 + 2 * t + e % 2]));
+        if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift)) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int nb = 0; nb < HALF_M / 8; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = n0 + key0 + mt * 16 + g + 8 * (e / 2);
+                        const int query = m0 + query0 + nb * 8 + 2 * t + e % 2;
+                        if (!visible(query, key, Tq, Tk, p.causal)) st[mt][nb][e] = 0.f;
+                    }
+        }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
             for (int nb = 0; nb < HALF_M / 8; ++nb) {
+                const float *prob = st[mt][nb];
+                float ds[4];
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {  // the fragment's rows g and g + 8: two values each
-                    const int key_row = key0 + mt * 16 + g + 8 * r, col = query0 + nb * 8 + 2 * t;
-                    float prob[2], ds[2];
+                for (int e = 0; e < 4; ++e) ds[e] = prob[e] * (dpt[mt][nb][e] - delta[query0 + nb * 8 + 2 * t + e % 2]);
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int e = 2 * r + c;
-                        prob[c] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[col + c]));
-                        if (masked && !visible(m0 + col + c, n0 + key_row, Tq, Tk, p.causal)) prob[c] = 0.f;
-                        ds[c] = prob[c] * (dpt[mt][nb][e] - delta[col + c]);
-                    }
-                    *reinterpret_cast<uint32_t *>(s_pt + swizzle<BM>(key_row, col)) = E::pack(prob[0], prob[1]);
-                    *reinterpret_cast<uint32_t *>(s_dst + swizzle<BM>(key_row, col)) = E::pack(ds[0], ds[1]);
+                for (int r = 0; r < 2; ++r) {  // the fragment's rows g and g + 8
+                    const uint32_t at = block_at<BM>(p_element, mt * 16 + 8 * r, nb * 8);
+                    *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(s_pt) + at) =
+                        E::pack(prob[2 * r], prob[2 * r + 1]);
+                    *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(s_dst) + at) =
+                        E::pack(ds[2 * r], ds[2 * r + 1]);
                 }
             }
         }
@@ -199,14 +225,14 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             uint32_t ap[2][4], ads[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
-                ldmatrix_x4(ap[mt], a_pattern<BM>(s_pt, key0 + mt * 16, kk * 16, lane));
-                ldmatrix_x4(ads[mt], a_pattern<BM>(s_dst, key0 + mt * 16, kk * 16, lane));
+                ldmatrix_x4(ap[mt], block_at<BM>(pt_rows, mt * 16, kk * 16));
+                ldmatrix_x4(ads[mt], block_at<BM>(dst_rows, mt * 16, kk * 16));
             }
 #pragma unroll
             for (int dn = 0; dn < HALF_D / 16; ++dn) {
                 uint32_t bo[4], bq[4];
-                ldmatrix_x4_trans(bo, a_pattern<D>(do_tile, kk * 16, col0 + dn * 16, lane));
-                ldmatrix_x4_trans(bq, a_pattern<D>(q_tile, kk * 16, col0 + dn * 16, lane));
+                ldmatrix_x4_trans(bo, block_at<D>(do_half, buf * BM + kk * 16, dn * 16));
+                ldmatrix_x4_trans(bq, block_at<D>(q_half, buf * BM + kk * 16, dn * 16));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {
                     mma_16x16<T>(dv[mt][2 * dn], dv[mt][2 * dn + 1], ap[mt], bo);
@@ -221,11 +247,11 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 #pragma unroll 2
         for (int kk = 0; kk < BN / 16; ++kk) {
             uint32_t a[4];
-            ldmatrix_x4_trans(a, b_pattern<BM>(s_dst, kk * 16, dq_row, lane));
+            ldmatrix_x4_trans(a, block_at<BM>(ds_rows, kk * 16, 0));
 #pragma unroll
             for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
                 uint32_t bk[4];
-                ldmatrix_x4_trans(bk, a_pattern<D>(s_k, kk * 16, dq_col + dn * 16, lane));
+                ldmatrix_x4_trans(bk, block_at<D>(k_cols, kk * 16, dn * 16));
                 mma_16x16<T>(dq[2 * dn], dq[2 * dn + 1], a, bk);
             }
         }

@@ -143,6 +143,23 @@ __device__ __forceinline__ uint32_t b_pattern(const void *tile, int row0, int co
     return smem_address(static_cast<const uint16_t *>(tile) + swizzle<COLS>(row, col));
 }
 
+// Where a block lies from one whose address is known: block (row0 + row, col0 + col) of a COLS-wide swizzled tile,
+// from a lane's address `at` of block (row0, col0) (a_pattern, b_pattern) or its byte offset in the tile. The
+// address's chunk field (the bits of a 16-byte chunk within a row) holds the swizzled chunk (col0 / 8 + the lane's
+// own chunk) ^ f(row), and moving the block XORs it with col / 8 and adds whole rows above it: one LOP3, and an add
+// the load takes as its offset, where recomputing the swizzle from row and column takes several integer instructions
+// per fragment, which crowd the tensor products' issue slots (perf_notes §14). It holds where
+//   - the tile starts at a multiple of its row length (2 * COLS bytes) in shared memory (the kernels' tiles start at
+//     multiples of 4 KiB from a 1 KiB-aligned buffer), so the chunk field of the address is the tile offset's;
+//   - row is a multiple of 8: f, a function of the row's last three bits, is the same for both blocks;
+//   - col is a multiple of 8 and shares no chunk bit with col0 or the lane's own chunk (e.g. col0 = a warp's half of D,
+//     col below that half; the patterns' lanes take chunk bit 0, so their col is a multiple of 16): then
+//     (col0 / 8 + own + col / 8) ^ f = (col0 / 8 + own) ^ f ^ col / 8.
+template <int COLS>
+__device__ __forceinline__ uint32_t block_at(uint32_t at, int row, int col) {
+    return (at ^ static_cast<uint32_t>(col * 2)) + static_cast<uint32_t>(row * COLS * 2);
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // cp.async: global -> shared copies that run while the warps compute (double buffering: §9's num_stages = 2)
 

@@ -40,7 +40,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionParams p) {
     constexpr int BM = FWD_BLOCK_M, BN = forward_block_n<D>(), MT = FWD_ROW_TILES;
     using E = Element<T>;
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_q = reinterpret_cast<T *>(smem);
     T *s_k = s_q + BM * D;      // two buffers of BN x D
     T *s_v = s_k + 2 * BN * D;  // two buffers of BN x D
@@ -77,6 +77,10 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) m_run[r] = -INFINITY, l_run[r] = 0.f;
     const float scale_log2 = p.scale * LOG2E;  // §8 exp2: log2(e) folded into the scale once
+    // the lane's shared-memory addresses of the first block each product reads; every other block is block_at one of
+    // them (rows of buffer buf: + buf * BN)
+    const uint32_t q_rows = a_pattern<D>(s_q, warp_row0, 0, lane);
+    const uint32_t k_cols = b_pattern<D>(s_k, 0, 0, lane), v_rows = a_pattern<D>(s_v, 0, 0, lane);
 
     for (int j = 0; j < n_tiles; ++j) {
         const int buf = j & 1, n0 = j * BN;
@@ -90,7 +94,6 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             cp_async_wait<0>();
         }
         __syncthreads();
-        const T *k_tile = s_k + buf * BN * D, *v_tile = s_v + buf * BN * D;
 
         // §3 the score tile S = Q K^T, MT x 16 x BN per warp, fp32 accumulation; each K fragment feeds MT products
         float s[MT][BN / 8][4] = {};
@@ -98,11 +101,11 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t a[MT][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a_pattern<D>(s_q, warp_row0 + mt * 16, kk * 16, lane));
+            for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], block_at<D>(q_rows, mt * 16, kk * 16));
 #pragma unroll
             for (int nb = 0; nb < BN / 16; ++nb) {
                 uint32_t bk[4];
-                ldmatrix_x4(bk, b_pattern<D>(k_tile, nb * 16, kk * 16, lane));
+                ldmatrix_x4(bk, block_at<D>(k_cols, buf * BN + nb * 16, kk * 16));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) mma_16x16<T>(s[mt][2 * nb], s[mt][2 * nb + 1], a[mt], bk);
             }
@@ -173,7 +176,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 #pragma unroll
             for (int dn = 0; dn < D / 16; ++dn) {
                 uint32_t bv[4];
-                ldmatrix_x4_trans(bv, a_pattern<D>(v_tile, kk * 16, dn * 16, lane));
+                ldmatrix_x4_trans(bv, block_at<D>(v_rows, buf * BN + kk * 16, dn * 16));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) mma_16x16<T>(acc[mt][2 * dn], acc[mt][2 * dn + 1], a[mt], bv);
             }
