@@ -136,18 +136,17 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     for (int step = 0; step < steps; ++step) {
         const int buf = STAGES == 2 ? step & 1 : 0, m0 = row_of(step);
         const int64_t row_base = rows_of(step);  // of dq_accum's rows
-        // double buffering (the num_stages = 2 of §9): the next step's Q and dO are in flight while this one computes;
-        // with one buffer they are loaded at the end of the step
+        cp_async_wait<0>();  // the step's copies, issued while the previous step computed
+        // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
+        if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
+        // every thread's copies are visible, and every warp is done with the previous step: its buffer, P^T and dS^T
+        __syncthreads();
+        // double buffering (the num_stages = 2 of §9): the next step's copies into the other buffer, which the barrier
+        // above freed, run while this step computes; with one buffer they are issued at the end of the step
         if (STAGES == 2 && step + 1 < steps) {
             issue(step + 1, buf ^ 1);
             cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
         }
-        // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
-        if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
-        __syncthreads();
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
 
         // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
@@ -270,8 +269,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 #endif
             }
         }
-        __syncthreads();  // the buffers, P^T and dS^T are overwritten by the next steps
         if (STAGES == 1 && step + 1 < steps) {
+            __syncthreads();  // every warp is done with the one buffer
             issue(step + 1, 0);
             cp_async_commit();
         }

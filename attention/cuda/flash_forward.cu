@@ -84,16 +84,15 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
 
     for (int j = 0; j < n_tiles; ++j) {
         const int buf = j & 1, n0 = j * BN;
-        // double buffering (the num_stages = 2 of §9): tile j + 1's copies are issued before tile j is computed
+        cp_async_wait<0>();  // tile j (and Q), issued while tile j - 1 was computed
+        __syncthreads();     // every thread's copies are visible, and every warp is done with tile j - 1's buffer
+        // double buffering (the num_stages = 2 of §9): tile j + 1's copies into the buffer the barrier above freed
+        // run while tile j is computed
         if (j + 1 < n_tiles) {
             load_tile_async<T, BN, D, FWD_THREADS>(s_k + (buf ^ 1) * BN * D, k, p.k_stride.row, n0 + BN, Tk, tid);
             load_tile_async<T, BN, D, FWD_THREADS>(s_v + (buf ^ 1) * BN * D, v, p.v_stride.row, n0 + BN, Tk, tid);
             cp_async_commit();
-            cp_async_wait<1>();  // tile j (and Q) landed, tile j + 1 may still be in flight
-        } else {
-            cp_async_wait<0>();
         }
-        __syncthreads();
 
         // §3 the score tile S = Q K^T, MT x 16 x BN per warp, fp32 accumulation; each K fragment feeds MT products
         float s[MT][BN / 8][4] = {};
@@ -181,7 +180,6 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
                 for (int mt = 0; mt < MT; ++mt) mma_16x16<T>(acc[mt][2 * dn], acc[mt][2 * dn + 1], a[mt], bv);
             }
         }
-        __syncthreads();  // every warp is done with buffer buf before iteration j + 1 refills it
     }
     cp_async_wait<0>();  // no tile: the Q copy is still owed
 
