@@ -110,13 +110,6 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             }
         }
 
-        // §8 exp2: scores in base 2 (scaled before masking, so that a negative scale cannot turn -inf into +inf)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][nb][e] *= scale_log2;
         // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
 #pragma unroll
@@ -138,7 +131,9 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             float m_tile = -INFINITY;
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) m_tile = fmaxf(m_tile, fmaxf(sr[nb][e0], sr[nb][e0 + 1]));
-            m_tile = group_max(m_tile);
+            // §8 exp2: the max in base 2; the scale, positive (the API checks it), commutes with the max and joins
+            // each score in the exp2's multiply-add below
+            m_tile = group_max(m_tile) * scale_log2;
             const float m_new = fmaxf(m_run[r], m_tile);
             // §17 the lazy rescale: the reference max moves only when the tile's max passes it by more than
             // RESCALE_SLACK, and always on the row's first visible key; §8 fully-masked rows: while m_new is -inf,
@@ -159,7 +154,7 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
             for (int nb = 0; nb < BN / 8; ++nb) {
 #pragma unroll
                 for (int e = e0; e < e0 + 2; ++e) {
-                    sr[nb][e] = fast_exp2(sr[nb][e] - m_sub);
+                    sr[nb][e] = fast_exp2(fmaf(sr[nb][e], scale_log2, -m_sub));
                     l_run[r] += sr[nb][e];
                 }
             }
