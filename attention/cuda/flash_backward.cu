@@ -19,28 +19,25 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 128 keys per block, 8 warps, and BM queries per step (64 at D = 64, 32 at D = 128). Each warp's products
-// read every fragment from shared memory for two mma tiles (a warp owning 16 rows would read one per product, and the
-// reads, 128 bytes a clock per SM, would set the pace; the forward's two row tiles, same reason):
+// Tiles: 128 keys per block, 8 warps, and BM queries per step (64, or 32 at D = 128 where a block has less shared
+// memory: launch_backward). Each warp's products read every fragment from shared memory for two mma tiles (a warp
+// owning 16 rows would read one per product, and the reads, 128 bytes a clock per SM, would set the pace; the
+// forward's two row tiles, same reason):
 //   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
 //   P^T and dS^T go to shared memory, since the next products split the work another way;
 //   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by half of D's columns, so dK and dV
 //   hold 2 x 32 x D / 2 floats per warp, D per thread, as a warp of 16 keys by all of D would;
 //   dQ += dS K: warp w a block of 16 queries by DQ_COLS of D's columns.
-// Registers: D for dK and dV, BM for S^T and dP^T: within 255 without a spill at both head dims (nvcc -Xptxas -v,
-// sm_80 and sm_90). Shared memory: K and V (2 x 128 x D), Q and dO in STAGES buffers each (2 x STAGES x BM x D),
-// P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse / Delta: 97 KiB at D = 64 and 112.5 KiB at D = 128 double
-// buffered; single buffered (96.3 KiB at D = 128) where a block may not have that much (sm_86, sm_89: 99 KiB).
+// Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90; on sm_90 at D = 128
+// with 64 queries one value is parked in local memory, read once a step). Shared memory: K and V (2 x 128 x D), Q
+// and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and
+// Delta: at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB
+// single buffered (sm_86, sm_89: 99 KiB); at D = 64 97 KiB double buffered. Fewer, larger steps pay each step's
+// barriers and bookkeeping less often, and each K and V fragment feeds twice the products.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
-template <int D>
-__host__ __device__ constexpr int backward_block_m() {
-    return D == 64 ? 64 : 32;
-}
-
-template <int D, int STAGES>
+template <int D, int BM, int STAGES>
 constexpr int backward_smem_bytes() {
-    constexpr int BM = backward_block_m<D>();
     return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4;
 }
 
@@ -63,9 +60,9 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     if (lane == 0) p.delta[row] = sum;
 }
 
-template <typename T, int D, int STAGES>
+template <typename T, int D, int BM, int STAGES>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
-    constexpr int BN = BWD_BLOCK_N, BM = backward_block_m<D>(), HALF_M = BM / 2, HALF_D = D / 2;
+    constexpr int BN = BWD_BLOCK_N, HALF_M = BM / 2, HALF_D = D / 2;
     using E = Element<T>;
     extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_k = reinterpret_cast<T *>(smem);
@@ -152,7 +149,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
         // fragment feeds both key tiles
         float st[2][HALF_M / 8][4] = {}, dpt[2][HALF_M / 8][4] = {};
-#pragma unroll 2
+        // two k-steps a pass, but one at D = 128 with 64 queries, where two spill (nvcc -Xptxas -v)
+#pragma unroll(BM * D >= 64 * 128 ? 1 : 2)
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t ak[2][4], av[2][4];
 #pragma unroll
@@ -313,10 +311,10 @@ __global__ void dq_kernel(const AttentionParams p) {
     }
 }
 
-template <typename T, int D, int STAGES>
+template <typename T, int D, int BM, int STAGES>
 cudaError_t launch_key_tiles(const AttentionParams &p) {
-    constexpr int smem = backward_smem_bytes<D, STAGES>();
-    auto kernel = backward_kernel<T, D, STAGES>;
+    constexpr int smem = backward_smem_bytes<D, BM, STAGES>();
+    auto kernel = backward_kernel<T, D, BM, STAGES>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
@@ -329,12 +327,15 @@ cudaError_t launch_backward(const AttentionParams &p) {
     const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
     delta_kernel<T, D><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, p.stream>>>(p);
 
-    // Q and dO double buffered where a block may have the shared memory for it (the device's opt-in maximum)
+    // the largest query step a block's shared memory holds (the device's opt-in maximum): 64 queries with Q and dO
+    // double buffered, then at D = 128 32 double buffered, then single buffered
     int device = 0, smem_max = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    cudaError_t err = smem_max >= backward_smem_bytes<D, 2>() ? launch_key_tiles<T, D, 2>(p)
-                                                               : launch_key_tiles<T, D, 1>(p);
+    constexpr int SMALL = D == 128 ? 32 : 64;
+    cudaError_t err = smem_max >= backward_smem_bytes<D, 64, 2>()      ? launch_key_tiles<T, D, 64, 2>(p)
+                      : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)
+                                                                        : launch_key_tiles<T, D, SMALL, 1>(p);
     if (err != cudaSuccess) return err;
 
     const int64_t blocks = std::min<int64_t>((rows * D + 255) / 256, 65536);
