@@ -196,10 +196,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)  # what the main kernel writes
     rows_first = row_values_first(D)
 
-    def lse_unit(scale):  # the kernel subtracts lse from S^T (1 / scale) or from S^T * scale in base 2 (§8)
-        return 1 / scale if rows_first else LOG2E.value
+    def lse_unit(scale, values):  # the kernel subtracts lse from S^T in the scores' units (score_terms: 1 / scale, or
+        # 1 / softcap with softcap, the first of a call's term values where it has one), or from S^T times their
+        # unit, in base 2 (§8)
+        return 1 / (values[0] if term_args[0] is not None else scale) if rows_first else LOG2E.value
     sizes_prepare = (*o.stride()[:3], *do.stride()[:3], Hq, T, T_pad)
-    unit = lse_unit(scale)
+    unit = lse_unit(scale, term_values(term_args))
     # §15 ALiBi under the causal mask, folded: the pre-pass adds each row's part of the bias into its lse row
     fold = alibi_causal(causal, term_args, row_src)
 
@@ -260,7 +262,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
             terms_now = with_term_values(term_args, values_now[:n_terms])
             sink_rows_now, sinks_now = values_now[n_terms:] or (None, None)
             first_prepare.again(o, do, lse, lse_row, delta_row, dq_acc, sink_rows_now, sinks_now, *sizes_prepare,
-                                lse_unit(scale), *prepare_slopes(terms_now))
+                                lse_unit(scale, values_now), *prepare_slopes(terms_now))
             dk_out, dv_out = (dk_part, dv_part) if split > 1 else (dk, dv)
             first_main.again(k, v, q, do, lse_row, delta_row, dk_out, dv_out, *grad_strides, dq_acc, *sources,
                              *sizes_main, scale, *document_args(documents), *terms_now[:4], sink_rows_now,
@@ -270,7 +272,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
                 first_sum.again(dk_part, dv_part, dk, dv, *dk.stride()[:3], *dv.stride()[:3], Hkv, Tk, split)
     else:
         def again(do, q, k, v, o, lse, dq, dk, dv, scale, *values_now, documents=None):
-            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale), *values_now,
+            call = (do, q, k, v, o, lse, dq, dk, dv, scale, *buffers(), lse_unit(scale, values_now), *values_now,
                     *(documents or ()))
             for plan in plans:
                 plan(*call)

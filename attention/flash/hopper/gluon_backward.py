@@ -161,12 +161,13 @@ def _gather_row_values(src, LSE, DELTA, lse_smem, delta_smem):
 def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready,
                    qdo_ready, qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt,
                    stride_dvb, stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads,
-                   heads_per_group, Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES,
+                   heads_per_group, Tq, Tq_pad, Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES,
                    stride_slopes_b, stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED,
                    ROWS_FIRST: gl.constexpr):
     """Consumer warpgroup WG: dK and dV of keys start_n + WG * 64 ... + 63, and its share of dQ: at hs=64 the whole
     of every other query tile's, at hs=128 half of each tile's columns. ROWS_FIRST: S^T and dP^T start from the
-    row values (row_values_first). §15 softcap, SLOPES (with its strides): FlashAttention's terms, None where the
+    row values (row_values_first). unit: what turns the scores into base-2 logits (score_terms' units, §8). §15
+    cap_scale (scale / softcap), SLOPES (with its strides): FlashAttention's terms, None where the
     call has none (attn_bwd_ws); CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask, else None: the
     scores take the bias's key part alone, past the origin start_m + Tk - Tq (the query tile's first row's position),
     and the row part is in lse_smem's rows already (backward.attn_bwd_prepare). SINK_ROWS: the sinks' rows, or None.
@@ -208,7 +209,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # starts from zero even with ROWS_FIRST, and lse is subtracted after the cap (ALiBi's bias adds, so it does not
     # mind). The sinks need nothing more for dS: the lse the forward stored holds the sink's share, so P does too;
     # their own gradient takes each row's sum of P dP (add_sink_rows), not with softcap (whose dS^T has its factor)
-    SOFTCAP: gl.constexpr = softcap is not None
+    SOFTCAP: gl.constexpr = cap_scale is not None
     FOLD: gl.constexpr = CAUSAL_SLOPES is not None
     TERMS: gl.constexpr = SOFTCAP or SLOPES is not None
     DROPOUT: gl.constexpr = DROP_SEED is not None
@@ -216,7 +217,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
     # with dP^T issued beside S^T as in the plain build, Triton 3.9's builds spilled 92 stores (157 with ALiBi too)
     # against the plain build's 23; issued once P^T is, beside dV, 78 (30). Neither was timed (never run on a GPU).
     # ROWS_FIRST reaches a partition as a value (int1), not a constant, so a choice the frontend makes reads the head
-    # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / scale in lse_smem
+    # dim, which is row_values_first's rule: LATE_DP implies ROWS_FIRST, lse / softcap in lse_smem
     LATE_DP: gl.constexpr = SOFTCAP and HEAD_DIM == 128
     rows_from, rows_end = document_rows(SPANS, IDS, b, first_key, Tq, Tk)
     if DROPOUT:
@@ -232,7 +233,7 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         slope = None  # without ALiBi (Triton 3.6 returns no None from a function, so the branch is here)
         if SLOPES is not None:
             slope = query_slope(SLOPES, query_tile(t, bh_kv, GROUP, first_m, per_head)[0], b, H_kv, GROUP,
-                                stride_slopes_b, stride_slopes_h, scale)
+                                stride_slopes_b, stride_slopes_h, unit)
         mbarrier.wait(qdo_ready.index(slot), (t // STAGES) & 1)
         if ROW_SRC is not None:  # gathered rows: the producer's copies, visible to the wgmmas that read them
             fence_async_shared()
@@ -242,14 +243,14 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
         zeros = gl.zeros([KEYS, QUERY_BLOCK], gl.float32, st_layout)
         st, dpt_token = issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem.index(slot), SOFTCAP, LATE_DP,
                                      ROWS_FIRST)
-        tt = None  # with softcap tanh(scale S / softcap), kept for dS
+        tt = None  # with softcap tanh(scale S / softcap), kept for dS (st is then tanh plus ALiBi's bias / softcap)
         if FOLD:  # §15 the keys' part of ALiBi's bias, past the origin: two keys per thread
-            st, tt = score_terms(st, None, (keys - (start_m + Tk - Tq))[:, None], qk_scale, softcap, slope)
+            st, tt = score_terms(st, None, (keys - (start_m + Tk - Tq))[:, None], cap_scale, slope)
         elif TERMS:  # §15 as the forward's scores, before the mask
-            st, tt = score_terms(st, (start_m + rows_m + Tk - Tq)[None, :], keys[:, None], qk_scale, softcap, slope)
+            st, tt = score_terms(st, (start_m + rows_m + Tk - Tq)[None, :], keys[:, None], cap_scale, slope)
         st = masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, rows_end, b, SPANS, IDS,
                            stride_ids)
-        pt = probabilities(st, lse_row, lse_smem.index(slot), qk_scale, SOFTCAP, LATE_DP, ROWS_FIRST)
+        pt = probabilities(st, lse_row, lse_smem.index(slot), unit, SOFTCAP, LATE_DP, ROWS_FIRST)
         if DROPOUT:  # §16 the forward's mask of this tile, Z^T (keys by queries), kept in P^T's signs: a dropped
             # entry negated (P^T >= 0, and an entry of 0 gives 0 either way), so no mask stays live over the wgmmas
             bh_q = query_tile(t, bh_kv, GROUP, first_m, per_head)[0]
@@ -310,24 +311,24 @@ def _key_gradients(WG: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, 
 def _key_gradients_0(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES, stride_slopes_b,
                      stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST: gl.constexpr):
     _key_gradients(0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
-                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                   Tq, Tq_pad, Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES, stride_slopes_b,
                    stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
 
 @gluon.jit
 def _key_gradients_1(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES, stride_slopes_b,
                      stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST: gl.constexpr):
     _key_gradients(1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready,
                    qdo_empty, ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb,
                    stride_dvh, stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group,
-                   Tq, Tq_pad, Tk, diag, qk_scale, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                   Tq, Tq_pad, Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES, stride_slopes_b,
                    stride_slopes_h, CAUSAL_SLOPES, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
 
 @gluon.jit
@@ -398,10 +399,18 @@ def attn_bwd_ws(k_desc, v_desc, Q, DO, LSE, DELTA, DK, DV, stride_dkb, stride_dk
         causal_slopes = SLOPES
     else:
         causal_slopes: gl.constexpr = None
+    # §15 the scores' units (score_terms), as in gluon_forward.attn_fwd_ws; with softcap lse_smem holds lse / softcap
+    # (backward.lse_unit)
+    if softcap is not None:
+        unit = softcap * LOG2E
+        cap_scale = scale / softcap
+    else:
+        unit = scale * LOG2E
+        cap_scale: gl.constexpr = None
     consumer_args = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
                      ds_ready, ds_empty, k_free, DK, DV, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh,
                      stride_dvt, DQ_ACC, dq_smem, ROW_SRC, H_kv, GROUP, n_kv_heads, heads_per_group, Tq, Tq_pad,
-                     Tk, diag, scale * LOG2E, scale, SPANS, IDS, stride_ids, softcap, SLOPES, stride_slopes_b,
+                     Tk, diag, unit, scale, SPANS, IDS, stride_ids, cap_scale, SLOPES, stride_slopes_b,
                      stride_slopes_h, causal_slopes, SINK_ROWS, dropout_p, DROP_SEED, ROWS_FIRST)
     gl.warp_specialize([
         (_key_gradients_0, consumer_args),  # the default partition: the launch's 4 warps

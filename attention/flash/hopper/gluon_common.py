@@ -118,22 +118,24 @@ def tanh_approx(x):
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 @gluon.jit
-def score_terms(s, rows, keys, qk_scale, softcap, slope):
-    """§15 FlashAttention's terms on a tile of scores s, in S's own units (the raw q.k products, which the kernels
-    scale by qk_scale = scale * LOG2E in the exp2, §8): -> (s', t) with s' * qk_scale = LOG2E * (softcap * t + bias),
-    t = tanh(scale * s / softcap) (s' = s + bias / scale without softcap, and t then s itself, unused),
+def score_terms(s, rows, keys, cap_scale, slope):
+    """§15 FlashAttention's terms on a tile of scores s (the raw q.k products), in the units the softmax then takes
+    them in: -> (s', t), s' times the kernel's unit (scale * LOG2E, or softcap * LOG2E with softcap) being
+    LOG2E * (softcap * t + bias), the base-2 logit. Without softcap s' = s + bias / scale (t then s itself, unused);
+    with it s' = t + bias / softcap, t = tanh(s * cap_scale), cap_scale = scale / softcap: the softmax's exp2 takes
+    tanh's values as they come, where a factor back to S's units would cost a multiply per score.
     bias = -slope_h * |rows - keys|. rows, keys: the rows' positions among the keys (i + Tk - Tq) and the keys',
-    shaped to broadcast over s. softcap: a float, or None without it; slope: the head's ALiBi slope divided by scale,
-    or None. Entries a mask hides come out finite: the caller masks them after. tanh is the special-function unit's
-    (tanh_approx), as tl_tiles.score_terms takes it on a GPU: one instruction beside the softmax's exp2 on the unit
-    the forward is bound by (§12), where the exp2 and a division would take two.
+    shaped to broadcast over s. cap_scale: a float, or None without softcap; slope: the head's ALiBi slope in those
+    units (slope * LOG2E / unit), or None. Entries a mask hides come out finite: the caller masks them after. tanh is
+    the special-function unit's (tanh_approx), as tl_tiles.score_terms takes it on a GPU: one instruction beside the
+    softmax's exp2 on the unit the forward is bound by (§12), where the exp2 and a division would take two.
     rows None: ALiBi folded under the causal mask (tl_tiles.score_terms' ALIBI_FOLD): keys are then the keys'
     positions past an origin o and the bias's key part alone is added, slope * (keys - o), one value per key; the row
     part, -slope * (row - o), is the caller's (the forward's m and lse, the backward's lse rows)."""
     t = s
-    if softcap is not None:
-        t = tanh_approx(s * (qk_scale / (softcap * 1.4426950408889634)))
-        s = t * (softcap * 1.4426950408889634 / qk_scale)
+    if cap_scale is not None:
+        t = tanh_approx(s * cap_scale)
+        s = t
     if slope is not None:
         if rows is None:  # the fold: small integers, exact in float, converted once per key
             s = s + slope * keys.to(gl.float32)

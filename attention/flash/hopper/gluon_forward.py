@@ -166,11 +166,12 @@ def _load_tile(desc, ring, ready, empty, t, coord, tiles: gl.constexpr):
 @gluon.jit
 def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                   o_desc, o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk,
-                  diag, qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                  diag, unit, SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h,
                   SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     """Consumer warpgroup WG: for each of the program's work items, rows start_m + WG * 64 ... + 63, their O
     and log-sum-exp. O goes through its staging tile o_smem[WG] to the copy engine (o_desc), or where
-    attn_fwd_ws found no room for staging tiles, from registers (O and its strides). §15 softcap, SLOPES and
+    attn_fwd_ws found no room for staging tiles, from registers (O and its strides). unit: what turns the scores
+    the softmax takes into base-2 logits (§8, §15 score_terms' units). §15 cap_scale (scale / softcap), SLOPES and
     SINK_LOGITS (with their strides): FlashAttention's terms, each None where the call has none (attn_fwd_ws);
     CAUSAL_SLOPES: SLOPES again where ALiBi is folded under the causal mask (tile_terms' FOLD), else None;
     FULL_SLOPES: SLOPES again where it is folded on full attention (mirrored_terms), else None. §16 dropout_p and
@@ -221,7 +222,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         ring0 = seen_tiles - first_tile  # key tile j of this item is ring tile number ring0 + j
         slope = None  # without ALiBi (Triton 3.6 returns no None from a function, so the branch is here)
         if SLOPES is not None:
-            slope = alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale)
+            slope = alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, unit)
         first_row, mask_from, every_from, n_mine, n_full, q = item_rows(
             start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC, WG, BLOCK_N,
             HALF_TILES, Q_IN_REGISTERS, q_operand)
@@ -232,7 +233,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         # once the P V is. The loop carries k_slot, m_i, p, l_i, acc in the order they are first assigned here: in
         # another order ptxas allocates the document builds otherwise
         k_slot, m_i, p, l_i = first_key_tile(q, k_smem, k_ready, k_empty, seen_tiles, first_tile, first_row,
-                                             bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope,
+                                             bh, H, mask_from, every_from, diag, Tq, Tk, unit, cap_scale, slope,
                                              SPANS, IDS, stride_ids, SPLIT, FOLD, FULL)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         for j in range(first_tile + 1, n_full):
@@ -252,12 +253,12 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             k_done(k_empty, k_slot, SPLIT)
             if FULL:
                 s, row_shift = mirrored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
-                                             qk_scale, softcap, slope, SPANS, IDS, stride_ids)
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, row_shift)
+                                             unit, cap_scale, slope, SPANS, IDS, stride_ids)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, unit, row_shift)
             else:
-                s = scored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale,
-                                softcap, slope, SPANS, IDS, stride_ids, FOLD)
-                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, None)
+                s = scored_tile(s, j * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, cap_scale,
+                                slope, SPANS, IDS, stride_ids, FOLD)
+                p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, unit, None)
             # ptxas (Triton 3.6's) schedules this wait at the top of the softmax, so the softmax runs under the
             # other warpgroup's matmuls, not its own; forcing this order is no faster, as the consumers keep the
             # tensor cores fed for each other (§12 "Overlap inside a consumer")
@@ -274,7 +275,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
             # diagonal")
             k_slot, v_slot, o_token, p_half, alpha, m_half, l_half = score_half_tile(
                 ring0 + n_full, n_full, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready,
-                first_row, bh, H, diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT, FOLD, FULL)
+                first_row, bh, H, diag, Tq, Tk, unit, cap_scale, slope, SPANS, IDS, stride_ids, SPLIT, FOLD, FULL)
             m_i, l_i = gl.convert_layout(m_half, s_rows), gl.convert_layout(l_half, s_rows)
             acc = warpgroup_mma_wait(0, deps=[o_token])
             mbarrier.arrive(v_empty.index(v_slot), count=1)
@@ -303,7 +304,7 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         # §4, §8: O = acc / l, lse = (m + log2 l) ln 2; a row that saw no key gets O = 0 and lse = +inf
         l_o = gl.convert_layout(l_i, o_rows)
         if FOLD or FULL:  # §15 m less each row's part of ALiBi's bias: the true one, for the sink and lse
-            m_i = gl.convert_layout(m_i, o_rows) - alibi_rows(slope, qk_scale, o_rows)
+            m_i = gl.convert_layout(m_i, o_rows) - alibi_rows(slope, unit, o_rows)
         if SINKS:  # §15 the head's sink joins the denominator: l, m and O as if a key of score sink, value 0, came last
             acc, l_o, m_i = fold_sink(acc, l_o, gl.convert_layout(m_i, o_rows),
                                        gl.load(SINK_LOGITS + (bh % H) * stride_sinks).to(gl.float32))
@@ -339,31 +340,31 @@ def _softmax_rows(WG: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_
 @gluon.jit
 def _softmax_rows_0(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    unit, SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h,
                     SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, unit,
+                  SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
                   stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_1(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    unit, SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h,
                     SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, unit,
+                  SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
                   stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
 def _softmax_rows_2(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
                     o_smem, O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                    qk_scale, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h,
+                    unit, SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h,
                     SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES):
     _softmax_rows(2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
-                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, qk_scale,
-                  SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
+                  O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag, unit,
+                  SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b, stride_slopes_h, SINK_LOGITS,
                   stride_sinks, dropout_p, DROP_SEED, CAUSAL_SLOPES, FULL_SLOPES)
 
 @gluon.jit
@@ -434,9 +435,16 @@ def attn_fwd_ws(Q, k_desc, v_desc, o_desc, O, LSE, stride_ob, stride_oh, stride_
         full_slopes = SLOPES
     else:
         full_slopes: gl.constexpr = None
+    # §15 the scores' units (score_terms): with softcap the softmax takes tanh's values themselves
+    if softcap is not None:
+        unit = softcap * 1.4426950408889634
+        cap_scale = scale / softcap
+    else:
+        unit = scale * 1.4426950408889634
+        cap_scale: gl.constexpr = None
     consumer_args = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc, o_smem,
                      O, stride_ob, stride_oh, stride_ot, LSE, H, n_m_tiles, n_work, per_turn, Tq, Tk, diag,
-                     scale * 1.4426950408889634, SPANS, IDS, stride_ids, ROW_SRC, softcap, SLOPES, stride_slopes_b,
+                     unit, SPANS, IDS, stride_ids, ROW_SRC, cap_scale, SLOPES, stride_slopes_b,
                      stride_slopes_h, SINK_LOGITS, stride_sinks, dropout_p, DROP_SEED, causal_slopes, full_slopes)
     producer_args = (Q, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, H, GROUP, n_m_tiles, n_work, per_turn, Tq, Tk, diag, SPANS, ROW_SRC, stride_qb,

@@ -38,10 +38,10 @@ def document_rows(SPANS, IDS, b, first_key, Tq, Tk):
     return rows_from, rows_end
 
 @gluon.jit
-def query_slope(SLOPES, bh, b, H_kv, GROUP, stride_slopes_b, stride_slopes_h, scale):
-    """§15 the ALiBi slope of query head bh (batch*head), in S^T's units (score_terms): slope / scale."""
+def query_slope(SLOPES, bh, b, H_kv, GROUP, stride_slopes_b, stride_slopes_h, unit):
+    """§15 the ALiBi slope of query head bh (batch*head), in the scores' units (score_terms): slope * LOG2E / unit."""
     h_q = bh - b * H_kv * GROUP
-    return gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) / scale
+    return gl.load(SLOPES + b * stride_slopes_b + h_q * stride_slopes_h).to(gl.float32) * (1.4426950408889634 / unit)
 
 @gluon.jit
 def issue_scores(k_mine, v_mine, q, do, zeros, lse_row, delta_smem, SOFTCAP: gl.constexpr, LATE_DP: gl.constexpr,
@@ -85,17 +85,17 @@ def masked_scores(st, keys, start_m, rows_m, first_key, diag, Tk, rows_from, row
     return st
 
 @gluon.jit
-def probabilities(st, lse_row, lse_smem, qk_scale, SOFTCAP: gl.constexpr, LATE_DP: gl.constexpr,
+def probabilities(st, lse_row, lse_smem, unit, SOFTCAP: gl.constexpr, LATE_DP: gl.constexpr,
                   ROWS_FIRST: gl.constexpr):
-    """§8 P^T = exp(scale * S^T - lse) (KEYS, M); 0 in padding rows (lse +inf). With ROWS_FIRST (not softcap) S^T
-    comes with lse / scale subtracted already."""
-    if LATE_DP:  # §15 softcap at hs=128: lse / scale subtracted after the cap, read from shared memory here
+    """§8 P^T = exp2(unit * S^T - lse in base 2) (KEYS, M), S^T in score_terms' units; 0 in padding rows (lse +inf).
+    With ROWS_FIRST (not softcap) S^T comes with lse / scale subtracted already."""
+    if LATE_DP:  # §15 softcap at hs=128: lse / softcap subtracted after the cap, read from shared memory here
         # rather than held in registers since the top of the tile (§13 "The row values in the accumulators")
-        pt = gl.exp2((st - lse_smem.load(lse_row.type.layout)[None, :]) * qk_scale)
+        pt = gl.exp2((st - lse_smem.load(lse_row.type.layout)[None, :]) * unit)
     elif SOFTCAP:  # at hs=64, lse in base 2
-        pt = gl.exp2(st * qk_scale - lse_row[None, :])
+        pt = gl.exp2(st * unit - lse_row[None, :])
     else:
-        pt = gl.exp2(st * qk_scale) if ROWS_FIRST else gl.exp2(st * qk_scale - lse_row[None, :])
+        pt = gl.exp2(st * unit) if ROWS_FIRST else gl.exp2(st * unit - lse_row[None, :])
     return pt
 
 @gluon.jit

@@ -41,47 +41,47 @@ def mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_
     return gl.where(visible, s, float("-inf"))
 
 @gluon.jit
-def tile_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr, FOLD: gl.constexpr):
+def tile_terms(s, first_row, start_n, shift, cap_scale, slope, s_layout: gl.constexpr, FOLD: gl.constexpr):
     """§15 softcap and ALiBi on the scores s (ROWS, N) of rows first_row ... and keys start_n ..., before the mask
-    (score_terms; shift = Tk - Tq aligns the rows among the keys bottom-right, §6), in S's units. FOLD (ALiBi under
+    (score_terms, in its units; shift = Tk - Tq aligns the rows among the keys bottom-right, §6). FOLD (ALiBi under
     the causal mask): the keys' part of the bias alone, past the origin first_row + shift, the first row's position;
     row first_row + i's scores then exceed its true ones by slope * i (alibi_rows)."""
     if FOLD:
         keys = (start_n - first_row - shift) + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
-        s = score_terms(s, None, keys[None, :], qk_scale, softcap, slope)[0]
+        s = score_terms(s, None, keys[None, :], cap_scale, slope)[0]
     else:
         rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
         keys = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
-        s = score_terms(s, rows[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+        s = score_terms(s, rows[:, None], keys[None, :], cap_scale, slope)[0]
     return s
 
 @gluon.jit
-def mirrored_terms(s, first_row, start_n, shift, qk_scale, softcap, slope, s_layout: gl.constexpr):
+def mirrored_terms(s, first_row, start_n, shift, unit, cap_scale, slope, s_layout: gl.constexpr):
     """§15 softcap and ALiBi folded on full attention (ALIBI_FULL) on the scores s (ROWS, N) of the key tile at start_n,
     by where its keys lie against the rows' positions o + i (o = first_row + shift, §6): left of every row, the bias's
     key part slope * (key - o) alone, as tile_terms' FOLD; right of every row, -slope * (key - o); across the rows, the
     whole bias -slope * |o + i - key|. Row i's scores then exceed its true ones by slope * i, -slope * i and 0.
     -> (s, the row shift in base 2 that brings them to the causal fold's slope * i, alibi_rows: 0, 2 and 1 times
-    slope * qk_scale * i), for softmax_step."""
+    slope * unit * i), for softmax_step."""
     BLOCK_N: gl.constexpr = s.shape[1]
     o = first_row + shift
     i = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
     keys = (start_n - o) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,) past o
-    row_unit = (slope * qk_scale) * i.to(gl.float32)
+    row_unit = (slope * unit) * i.to(gl.float32)
     left = start_n + BLOCK_N - 1 <= o
     if left | (start_n >= o + ROWS - 1):  # left or right of every row: one add per score
-        s = score_terms(s, None, keys[None, :], qk_scale, softcap, gl.where(left, slope, -slope))[0]
+        s = score_terms(s, None, keys[None, :], cap_scale, gl.where(left, slope, -slope))[0]
         row_shift = row_unit * gl.where(left, 0.0, 2.0)
     else:  # the tiles across the rows' positions
-        s = score_terms(s, i[:, None], keys[None, :], qk_scale, softcap, slope)[0]
+        s = score_terms(s, i[:, None], keys[None, :], cap_scale, slope)[0]
         row_shift = row_unit
     return s, row_shift
 
 @gluon.jit
-def alibi_rows(slope, qk_scale, rows_layout: gl.constexpr):
+def alibi_rows(slope, unit, rows_layout: gl.constexpr):
     """§15 ALiBi folded under the causal mask (tile_terms' FOLD): what the folded scores of a warpgroup's rows
-    exceed their true ones by, in base 2 as m holds them: slope * qk_scale * i for row first_row + i (ROWS,)."""
-    return (slope * qk_scale) * gl.arange(0, ROWS, layout=rows_layout).to(gl.float32)
+    exceed their true ones by, in base 2 as m holds them: slope * unit * i for row first_row + i (ROWS,)."""
+    return (slope * unit) * gl.arange(0, ROWS, layout=rows_layout).to(gl.float32)
 
 @gluon.jit
 def fold_sink(acc, l_i, m_i, sink):
@@ -96,11 +96,12 @@ def fold_sink(acc, l_i, m_i, sink):
     return acc * alpha[:, None], l_i * alpha + gl.exp2(sink2 - m_ref), m_new
 
 @gluon.jit
-def softmax_step(s, m_i, l_i, qk_scale, row_shift):
+def softmax_step(s, m_i, l_i, unit, row_shift):
     """§2 the online softmax over one key tile's scores s (ROWS, N), as in tl_forward.fwd_tile: -> P, alpha
     (the factor for what the rows summed before), the running max and sum, in s's row layout as m_i and l_i are.
-    row_shift: what to add to each row's scores in base 2 for m's frame (mirrored_terms), or None."""
-    tile_max = gl.max(s, 1) * qk_scale
+    unit: what turns s into base-2 logits (score_terms). row_shift: what to add to each row's scores in base 2 for
+    m's frame (mirrored_terms), or None."""
+    tile_max = gl.max(s, 1) * unit
     if row_shift is not None:
         tile_max = tile_max + row_shift
     m_new = gl.maximum(m_i, tile_max)
@@ -108,7 +109,7 @@ def softmax_step(s, m_i, l_i, qk_scale, row_shift):
     m_sub = m_ref
     if row_shift is not None:
         m_sub = m_ref - row_shift
-    p = gl.exp2(s * qk_scale - m_sub[:, None])
+    p = gl.exp2(s * unit - m_sub[:, None])
     alpha = gl.exp2(m_i - m_ref)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -148,10 +149,10 @@ def k_done(k_empty, slot, SPLIT: gl.constexpr):
         mbarrier.arrive(k_empty.index(slot), count=1)
 
 @gluon.jit
-def alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, qk_scale):
-    """§15 the (batch, head)'s ALiBi slope in S's units (score_terms): slope / scale."""
+def alibi_slope(SLOPES, bh, H, stride_slopes_b, stride_slopes_h, unit):
+    """§15 the (batch, head)'s ALiBi slope in the scores' units (score_terms): slope * LOG2E / unit."""
     return gl.load(SLOPES + (bh // H) * stride_slopes_b + (bh % H) * stride_slopes_h).to(gl.float32) * (
-        1.4426950408889634 / qk_scale)
+        1.4426950408889634 / unit)
 
 @gluon.jit
 def item_rows(start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem, q_ready, q_empty, ROW_SRC,
@@ -204,33 +205,33 @@ def item_rows(start_m, first_tile, item, bh, H, Tq, Tk, diag, SPANS, IDS, q_smem
     return first_row, mask_from, every_from, n_mine, n_full, q
 
 @gluon.jit
-def scored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope, SPANS,
-                IDS, stride_ids, FOLD: gl.constexpr):
+def scored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, cap_scale, slope, SPANS, IDS,
+                stride_ids, FOLD: gl.constexpr):
     """The scores s (ROWS, N) of the key tile at start_n as the softmax takes them: §15 softcap and ALiBi first
     (tile_terms; FOLD its causal fold), then where some row does not see some key of the tile (needs_mask), the mask
     (mask_keys)."""
     BLOCK_N: gl.constexpr = s.shape[1]
     s_layout: gl.constexpr = acc_layout(BLOCK_N)
-    if softcap is not None or slope is not None:
-        s = tile_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout, FOLD)
+    if cap_scale is not None or slope is not None:
+        s = tile_terms(s, first_row, start_n, Tk - Tq, cap_scale, slope, s_layout, FOLD)
     if needs_mask(start_n, mask_from, every_from, BLOCK_N, SPANS is not None):
         s = mask_keys(s, first_row, start_n, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
     return s
 
 @gluon.jit
-def mirrored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale, softcap, slope, SPANS,
+def mirrored_tile(s, start_n, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, unit, cap_scale, slope, SPANS,
                   IDS, stride_ids):
     """scored_tile with ALiBi folded on full attention (ALIBI_FULL): -> (the scores, their row shift), mirrored_terms."""
     BLOCK_N: gl.constexpr = s.shape[1]
     s_layout: gl.constexpr = acc_layout(BLOCK_N)
-    s, row_shift = mirrored_terms(s, first_row, start_n, Tk - Tq, qk_scale, softcap, slope, s_layout)
+    s, row_shift = mirrored_terms(s, first_row, start_n, Tk - Tq, unit, cap_scale, slope, s_layout)
     if needs_mask(start_n, mask_from, every_from, BLOCK_N, SPANS is not None):
         s = mask_keys(s, first_row, start_n, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, s_layout)
     return s, row_shift
 
 @gluon.jit
 def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
-                   qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr, FOLD: gl.constexpr,
+                   unit, cap_scale, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr, FOLD: gl.constexpr,
                    FULL: gl.constexpr):
     """The item's first key tile alone (its key tile first_tile, ring tile number t): S and its softmax, nothing
     to rescale yet. FULL: ALiBi folded on full attention (mirrored_tile). -> (its K slot, the running max, P, the
@@ -244,22 +245,22 @@ def first_key_tile(q, k_smem, k_ready, k_empty, t, first_tile, first_row, bh, H,
     row_shift = None  # (as softmax_step takes it)
     if FULL:
         s, row_shift = mirrored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk,
-                                     qk_scale, softcap, slope, SPANS, IDS, stride_ids)
+                                     unit, cap_scale, slope, SPANS, IDS, stride_ids)
     else:
-        s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, qk_scale,
-                        softcap, slope, SPANS, IDS, stride_ids, FOLD)
-    m_i = gl.max(s, 1) * qk_scale  # §8 base-2 scores: the max commutes with the positive scale
+        s = scored_tile(s, first_tile * BLOCK_N, first_row, bh, H, mask_from, every_from, diag, Tq, Tk, cap_scale,
+                        slope, SPANS, IDS, stride_ids, FOLD)
+    m_i = gl.max(s, 1) * unit  # §8 base-2 scores: the max commutes with the positive scale
     if row_shift is not None:
         m_i = m_i + row_shift
     m_sub = gl.where(m_i == float("-inf"), 0.0, m_i)
     if row_shift is not None:
         m_sub = m_sub - row_shift
-    p = gl.exp2(s * qk_scale - m_sub[:, None])
+    p = gl.exp2(s * unit - m_sub[:, None])
     return k_slot, m_i, p, gl.sum(p, 1)
 
 @gluon.jit
 def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty, v_smem, v_ready, first_row, bh, H,
-                    diag, Tq, Tk, qk_scale, softcap, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr,
+                    diag, Tq, Tk, unit, cap_scale, slope, SPANS, IDS, stride_ids, SPLIT: gl.constexpr,
                     FOLD: gl.constexpr, FULL: gl.constexpr):
     """A last key tile j (ring tile number t) taken by its first half, its second lying past every row's last key:
     S over the first half only (N/2 columns) issued together with P_{j-1} V_{j-1} (k_slot: K_{j-1}'s), always
@@ -282,11 +283,11 @@ def score_half_tile(t, j, k_slot, p, m_i, l_i, acc, q, k_smem, k_ready, k_empty,
     k_done(k_empty, k_slot, SPLIT)
     row_shift = None  # as in _softmax_rows: without ALiBi's full fold
     if FULL:
-        s_half, row_shift = mirrored_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope,
+        s_half, row_shift = mirrored_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, unit, cap_scale, slope,
                                            half_layout)
-    elif softcap is not None or slope is not None:
-        s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, qk_scale, softcap, slope, half_layout, FOLD)
+    elif cap_scale is not None or slope is not None:
+        s_half = tile_terms(s_half, first_row, j * BLOCK_N, Tk - Tq, cap_scale, slope, half_layout, FOLD)
     s_half = mask_keys(s_half, first_row, j * BLOCK_N, diag, Tq, Tk, bh // H, SPANS, IDS, stride_ids, half_layout)
     p_half, alpha, m_half, l_half = softmax_step(s_half, gl.convert_layout(m_i, half_rows),
-                                                 gl.convert_layout(l_i, half_rows), qk_scale, row_shift)
+                                                 gl.convert_layout(l_i, half_rows), unit, row_shift)
     return k_slot, v_slot, o_token, p_half, alpha, m_half, l_half
