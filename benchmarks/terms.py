@@ -126,7 +126,7 @@ def step(call, leaves, pass_: str, dout):
 
 def measure(args, causal: bool, device, dtype, results: dict, save) -> None:
     """Every (candidate, pass) at one causal setting: each runs once first (compilation, autotuning), then
-    `rounds` rounds time each once (median_ms), the order rotating by one per round (see attention.measure);
+    `rounds` rounds time each once (median_ms), each round in an order of its own (report.rotations);
     results["cells"] gains a cell per (candidate, pass), save() after every timing."""
     B, H, T, D = args.batch, args.heads, args.seq_len, args.head_dim
     q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
