@@ -101,7 +101,6 @@ std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, co
     p.dq = dq.data_ptr();
     p.dk = dk.data_ptr();
     p.dv = dv.data_ptr();
-    p.dq_stride = strides_of(dq);
     p.dk_stride = strides_of(dk);
     p.dv_stride = strides_of(dv);
     const cudaError_t err = nanoflash_cuda::flash_backward(p);

@@ -27,8 +27,9 @@ struct AttentionParams {
     Strides do_stride;
     float *delta;     // (B, Hq, Tq) rowsum(dO * O) (§5)
     float *dq_accum;  // (B, Hq, Tq, D) contiguous float32, zeroed: the kernels atomically add dS K into it
-    void *dq, *dk, *dv;
-    Strides dq_stride, dk_stride, dv_stride;
+    void *dq;         // (B, Hq, Tq, D) contiguous, as dq_accum
+    void *dk, *dv;
+    Strides dk_stride, dv_stride;
 
     int batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
     float scale;  // softmax scale (1/sqrt(D) unless the caller gave another)
