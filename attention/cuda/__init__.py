@@ -13,11 +13,11 @@ Design (the kernels' comments cite docs/flash_attention.md by section):
   (mma.sync m16n8k16, fp32 accumulation) from operands read with ldmatrix; the online softmax in base 2; the
   log-sum-exp saved per row.
 - flash_backward.cu: a Delta = rowsum(dO * O) pre-pass; then a block of 8 warps per 128 keys of one kv head that
-  walks the query tiles (64 rows; 32 at D = 128 where a block has less than 161 KiB of shared memory) of every query
-  head of its group, recomputing P from the log-sum-exp; each warp takes 32 keys by half the queries for S^T and dP^T
-  and by half of D for dK and dV (in registers), P^T and dS^T passing through shared memory; dQ is added with float32
-  atomics into a scratch buffer, then scaled and cast (one product per tile pair less than a separate dQ pass; not
-  bitwise deterministic).
+  walks the query tiles (128 rows at D = 64, 64 at D = 128; half that where a block has less than 162 KiB of shared
+  memory) of every query head of its group, recomputing P from the log-sum-exp; each warp takes 32 keys by half the
+  queries for S^T and dP^T and by half of D for dK and dV (in registers), P^T and dS^T passing through shared memory;
+  dQ is added with float32 atomics into a scratch buffer, then scaled and cast (one product per tile pair less than a
+  separate dQ pass; not bitwise deterministic).
 - flash_common.cuh: shared-memory tiles in 16-byte chunks XOR-swizzled by row (chunk ^ row % 8), so ldmatrix and
   cp.async hit distinct banks, each lane's address computed once and moved by block_at; the mma, ldmatrix and
   cp.async wrappers (inline PTX).

@@ -19,8 +19,8 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 128 keys per block, 8 warps, and BM queries per step (64, or 32 at D = 128 where a block has less shared
-// memory: launch_backward). Each warp's products read every fragment from shared memory for two mma tiles (a warp
+// Tiles: 128 keys per block, 8 warps, and BM queries per step (128 at D = 64 and 64 at D = 128, or half that where a
+// block has less shared memory: launch_backward). Each warp's products read every fragment from shared memory for two mma tiles (a warp
 // owning 16 rows would read one per product, and the reads, 128 bytes a clock per SM, would set the pace; the
 // forward's two row tiles, same reason):
 //   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
@@ -28,11 +28,11 @@ namespace {
 //   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by half of D's columns, so dK and dV
 //   hold 2 x 32 x D / 2 floats per warp, D per thread, as a warp of 16 keys by all of D would;
 //   dQ += dS K: warp w a block of 16 queries by DQ_COLS of D's columns.
-// Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90; on sm_90 at D = 128
-// with 64 queries one value is parked in local memory, read once a step). Shared memory: K and V (2 x 128 x D), Q
+// Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
+// four parked in local memory at the larger steps, read once a step. Shared memory: K and V (2 x 128 x D), Q
 // and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and
 // Delta: at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB
-// single buffered (sm_86, sm_89: 99 KiB); at D = 64 97 KiB double buffered. Fewer, larger steps pay each step's
+// single buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries, else 97 KiB with 64. Fewer, larger steps pay each step's
 // barriers and bookkeeping less often, and each K and V fragment feeds twice the products.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
@@ -155,7 +155,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
         // fragment feeds both key tiles
         float st[2][HALF_M / 8][4] = {}, dpt[2][HALF_M / 8][4] = {};
-        // two k-steps a pass, but one at D = 128 with 64 queries, where two spill (nvcc -Xptxas -v)
+        // two k-steps a pass, but one at the larger steps (BM x D = 64 x 128 or 128 x 64), where two spill
+        // (nvcc -Xptxas -v)
 #pragma unroll(BM * D >= 64 * 128 ? 1 : 2)
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t ak[2][4], av[2][4];
@@ -334,13 +335,13 @@ cudaError_t launch_backward(const AttentionParams &p) {
     constexpr int ROWS_PER_BLOCK = 128 / (D / 8);
     delta_kernel<T, D><<<static_cast<unsigned>((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), 128, 0, p.stream>>>(p);
 
-    // the largest query step a block's shared memory holds (the device's opt-in maximum): 64 queries with Q and dO
-    // double buffered, then at D = 128 32 double buffered, then single buffered
+    // the largest query step a block's shared memory holds (the device's opt-in maximum): 128 queries at D = 64 or 64
+    // at D = 128 with Q and dO double buffered, then 64 or 32 double buffered, then single buffered
     int device = 0, smem_max = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    constexpr int SMALL = D == 128 ? 32 : 64;
-    cudaError_t err = smem_max >= backward_smem_bytes<D, 64, 2>()      ? launch_key_tiles<T, D, 64, 2>(p)
+    constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64;
+    cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, 2>()   ? launch_key_tiles<T, D, LARGE, 2>(p)
                       : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)
                                                                         : launch_key_tiles<T, D, SMALL, 1>(p);
     if (err != cudaSuccess) return err;
