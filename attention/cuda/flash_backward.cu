@@ -19,21 +19,21 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 128 keys per block, 8 warps, and BM queries per step (128 at D = 64 and 64 at D = 128, or half that where a
-// block has less shared memory: launch_backward). Each warp's products read every fragment from shared memory for two mma tiles (a warp
-// owning 16 rows would read one per product, and the reads, 128 bytes a clock per SM, would set the pace; the
-// forward's two row tiles, same reason):
+// Tiles: 128 keys per block, 8 warps, and BM queries per step (128 at D = 64 and 64 at D = 128, or half that where
+// a block has less shared memory: launch_backward). Each warp's products read every fragment from shared memory for
+// two mma tiles (a warp owning 16 rows would read one per product, and the reads, 128 bytes a clock per SM, would set
+// the pace; the forward's two row tiles, same reason):
 //   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
 //   P^T and dS^T go to shared memory, since the next products split the work another way;
 //   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by half of D's columns, so dK and dV
 //   hold 2 x 32 x D / 2 floats per warp, D per thread, as a warp of 16 keys by all of D would;
 //   dQ += dS K: warp w a block of 16 queries by DQ_COLS of D's columns.
 // Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
-// four parked in local memory at the larger steps, read once a step. Shared memory: K and V (2 x 128 x D), Q
-// and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and
-// Delta: at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB
-// single buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries, else 97 KiB with 64. Fewer, larger steps pay each step's
-// barriers and bookkeeping less often, and each K and V fragment feeds twice the products.
+// four parked in local memory at the larger steps, read once a step. Shared memory: K and V (2 x 128 x D), Q and dO
+// in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and Delta:
+// at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB single
+// buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries, else 97 KiB with 64. Fewer, larger steps pay
+// each step's barriers and bookkeeping less often, and each K and V fragment feeds twice the products.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
 template <int D, int BM, int STAGES>
@@ -309,10 +309,10 @@ template <typename T>
 __global__ void dq_kernel(const AttentionParams p, int64_t chunks) {
     const float4 *accum = reinterpret_cast<const float4 *>(p.dq_accum);
     uint4 *dq = static_cast<uint4 *>(p.dq);
+    const float s = p.scale;
     for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const float4 lo = accum[2 * c], hi = accum[2 * c + 1];
-        const float s = p.scale;
         dq[c] = make_uint4(Element<T>::pack(lo.x * s, lo.y * s), Element<T>::pack(lo.z * s, lo.w * s),
                            Element<T>::pack(hi.x * s, hi.y * s), Element<T>::pack(hi.z * s, hi.w * s));
     }
