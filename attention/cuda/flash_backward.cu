@@ -99,25 +99,30 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const int m_tiles = first_query < Tq ? (Tq - m_first + BM - 1) / BM : 0;
     const int steps = group * m_tiles;  // §7: every query head of the group, one after the other
 
-    // step -> (query head, first query row) and the asynchronous loads of its Q and dO tiles, and of its rows' lse
-    // (§4) and Delta (§5), into buffer buf: all of them arrive while the previous step computes
-    auto head_of = [&](int step) { return h_kv * group + step / m_tiles; };
-    auto row_of = [&](int step) { return m_first + (step % m_tiles) * BM; };
-    auto rows_of = [&](int step) { return (static_cast<int64_t>(b) * p.heads_q + head_of(step)) * Tq; };  // lse rows
-    auto issue = [&](int step, int buf) {
-        const int h = head_of(step), m0 = row_of(step);
+    // A step's query head and first row: the query tiles of one head, then of the next (§7), stepped by adds, not
+    // worked out from the step's index (a division by m_tiles each time). issue: the asynchronous loads of the step's
+    // Q and dO tiles, and of its rows' lse (§4) and Delta (§5), into buffer buf: all of them arrive while the previous
+    // step computes.
+    struct Step {
+        int head, m0;
+    };
+    auto next = [&](Step at) { return at.m0 + BM < Tq ? Step{at.head, at.m0 + BM} : Step{at.head + 1, m_first}; };
+    auto rows_of = [&](Step at) { return (static_cast<int64_t>(b) * p.heads_q + at.head) * Tq; };  // of lse's rows
+    auto issue = [&](Step at, int buf) {
+        const int h = at.head, m0 = at.m0;
         const T *q = static_cast<const T *>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
         const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head;
         load_tile_async<T, BM, D, BWD_THREADS>(s_q + buf * BM * D, q, p.q_stride.row, m0, Tq, tid);
         load_tile_async<T, BM, D, BWD_THREADS>(s_do + buf * BM * D, dout, p.do_stride.row, m0, Tq, tid);
         if (tid < BM) {
             const bool valid = m0 + tid < Tq;
-            const int64_t row = valid ? rows_of(step) + m0 + tid : 0;
+            const int64_t row = valid ? rows_of(at) + m0 + tid : 0;
             cp_async_4(s_lse + buf * BM + tid, p.lse + row, valid);
             cp_async_4(s_delta + buf * BM + tid, p.delta + row, valid);  // 0 past Tq
         }
     };
-    if (steps > 0) issue(0, 0);
+    Step at{h_kv * group, m_first};
+    if (steps > 0) issue(at, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
 
     float dk[2][HALF_D / 8][4] = {}, dv[2][HALF_D / 8][4] = {};  // the warp's 32 keys x its half of D
@@ -136,9 +141,9 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const uint32_t ds_rows = b_pattern<BM>(s_dst, 0, dq_row, lane), k_cols = a_pattern<D>(s_k, 0, dq_col, lane);
     const uint32_t p_element = swizzle<BM>(key0 + g, query0 + 2 * t) * sizeof(T);
 
-    for (int step = 0; step < steps; ++step) {
-        const int buf = STAGES == 2 ? step & 1 : 0, m0 = row_of(step);
-        const int64_t row_base = rows_of(step);  // of dq_accum's rows
+    for (int step = 0; step < steps; ++step, at = next(at)) {
+        const int buf = STAGES == 2 ? step & 1 : 0, m0 = at.m0;
+        const int64_t row_base = rows_of(at);  // of dq_accum's rows
         cp_async_wait<0>();  // the step's copies, issued while the previous step computed
         // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
@@ -147,7 +152,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // double buffering (the num_stages = 2 of §9): the next step's copies into the other buffer, which the barrier
         // above freed, run while this step computes; with one buffer they are issued at the end of the step
         if (STAGES == 2 && step + 1 < steps) {
-            issue(step + 1, buf ^ 1);
+            issue(next(at), buf ^ 1);
             cp_async_commit();
         }
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         }
         if (STAGES == 1 && step + 1 < steps) {
             __syncthreads();  // every warp is done with the one buffer
-            issue(step + 1, 0);
+            issue(next(at), 0);
             cp_async_commit();
         }
     }
