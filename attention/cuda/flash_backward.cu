@@ -196,15 +196,16 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
                     st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[query0 + nb * 8 + 2 * t + e % 2]));
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift)) {
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int r = 0; r < 4; ++r) {  // the thread's key rows: tile r / 2, row g + 8 (r % 2) in it
+                // the row's first visible query, counted from the thread's first query column (m0 + query0 + 2t)
+                const int key = n0 + key0 + (r / 2) * 16 + g + 8 * (r % 2);
+                const int first = first_visible_query(key, Tq, Tk, p.causal) - m0 - query0 - 2 * t;
 #pragma unroll
                 for (int nb = 0; nb < HALF_M / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + key0 + mt * 16 + g + 8 * (e / 2);
-                        const int query = m0 + query0 + nb * 8 + 2 * t + e % 2;
-                        if (!visible(query, key, Tq, Tk, p.causal)) st[mt][nb][e] = 0.f;
-                    }
+                    for (int e = 0; e < 2; ++e)
+                        if (nb * 8 + e < first) st[r / 2][nb][2 * (r % 2) + e] = 0.f;
+            }
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {

@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <climits>
 #include <cstdint>
 
 #include "flash_params.h"
@@ -234,9 +235,17 @@ __device__ __forceinline__ float group_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// §6: bottom-right aligned causal rule, the one place it is written for these kernels
-__device__ __forceinline__ bool visible(int query, int key, int seqlen_q, int seqlen_k, bool causal) {
-    return key < seqlen_k && (!causal || key <= query + seqlen_k - seqlen_q);
+// §6: the bottom-right aligned causal rule, the one place it is written for these kernels: query i sees key j when
+// j < Tk and, causal, j <= i + Tk - Tq. Asked once per row of a tile, as a bound its elements are compared with: the
+// forward's rows are queries, the backward's keys (a bound per element, recomputed from row and column, took
+// registers enough to spill the larger tiles).
+__device__ __forceinline__ int last_visible_key(int query, int seqlen_q, int seqlen_k, bool causal) {
+    return causal ? min(seqlen_k - 1, query + seqlen_k - seqlen_q) : seqlen_k - 1;
+}
+
+// the first query that sees key; past every query, padding rows included, for a key >= Tk, which none sees
+__device__ __forceinline__ int first_visible_query(int key, int seqlen_q, int seqlen_k, bool causal) {
+    return key >= seqlen_k ? INT_MAX : causal ? key - (seqlen_k - seqlen_q) : 0;
 }
 
 }  // namespace nanoflash_cuda

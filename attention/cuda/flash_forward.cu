@@ -113,14 +113,16 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int r = 0; r < 2 * MT; ++r) {
+                // the row's last visible key, counted from the thread's first column of the tile (n0 + 2t)
+                const int row = m0 + warp_row0 + (r / 2) * 16 + g + 8 * (r % 2);
+                const int last = last_visible_key(row, Tq, Tk, p.causal) - n0 - 2 * t;
 #pragma unroll
                 for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8, col = n0 + nb * 8 + 2 * t + (e % 2);
-                        if (!visible(row, col, Tq, Tk, p.causal)) s[mt][nb][e] = -INFINITY;
-                    }
+                    for (int e = 0; e < 2; ++e)
+                        if (nb * 8 + e > last) s[r / 2][nb][2 * (r % 2) + e] = -INFINITY;
+            }
         }
 
         // §2 online softmax, §8 exp2, for the thread's 2 * MT rows
