@@ -343,9 +343,7 @@ cudaError_t launch_backward(const AttentionParams &p) {
 
     // the largest query step a block's shared memory holds (the device's opt-in maximum): 128 queries at D = 64 or 64
     // at D = 128 with Q and dO double buffered, then 64 or 32 double buffered, then single buffered
-    int device = 0, smem_max = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    const int smem_max = shared_memory(p).per_block;
     constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64;
     cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, 2>()   ? launch_key_tiles<T, D, LARGE, 2>(p)
                       : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)

@@ -211,11 +211,8 @@ cudaError_t launch_forward(const AttentionParams &p) {
     if constexpr (D == 64) {
         return launch_key_tiles<T, D, 64>(p);
     } else {
-        int device = 0, smem_per_sm = 0;
-        cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
         constexpr int reserved = 1024;  // per block, by the driver (sm_80 and newer)
-        const bool two_fit = smem_per_sm >= 2 * (forward_smem_bytes<D, 64>() + reserved);
+        const bool two_fit = shared_memory(p).per_sm >= 2 * (forward_smem_bytes<D, 64>() + reserved);
         return two_fit ? launch_key_tiles<T, D, 64>(p) : launch_key_tiles<T, D, 32>(p);
     }
 }
