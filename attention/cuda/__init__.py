@@ -8,10 +8,10 @@ multiple of Hkv (GQA), any Tq and Tk, causal (bottom-right aligned: query i sees
 sees none returns 0) or not, any scale. No windows, documents, block masks or FlashAttention's extra terms, no varlen.
 
 Design (the kernels' comments cite docs/flash_attention.md by section):
-- flash_forward.cu: a block of 4 warps per 128 query rows, each warp two tiles of 16 rows; key tiles of 64 rows, K
-  and V double buffered in shared memory with cp.async; S = Q K^T and O += P V on tensor cores
-  (mma.sync m16n8k16, fp32 accumulation) from operands read with ldmatrix; the online softmax in base 2; the
-  log-sum-exp saved per row.
+- flash_forward.cu: a block of 4 warps per 128 query rows, each warp two tiles of 16 rows; key tiles of 128 rows at
+  D = 64, 64 at D = 128 (half that where an SM cannot hold two blocks of them), K and V double buffered in shared
+  memory with cp.async; S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, fp32 accumulation) from operands
+  read with ldmatrix; the online softmax in base 2; the log-sum-exp saved per row.
 - flash_backward.cu: a Delta = rowsum(dO * O) pre-pass; then a block of 8 warps per 128 keys of one kv head that
   walks the query tiles (128 rows at D = 64, 64 at D = 128; half that where a block has less than 162 KiB of shared
   memory) of every query head of its group, recomputing P from the log-sum-exp; each warp takes 32 keys by half the

@@ -8,20 +8,21 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 128 query rows (4 warps x 2 row tiles of 16, the M of one mma) by BN = 64 keys, or 32 at D = 128 where an
-// SM cannot hold two blocks of 64 (launch_forward). Each warp owns two row tiles so that every K and V fragment it
-// reads from shared memory feeds two products: with one, the ldmatrix reads (128 bytes a clock per SM) and not the
-// tensor cores set the pace. Registers per thread: the output accumulator 2 x 16 x D / 32 = D floats plus BN for the
-// scores: within 255 at D = 128 and 64 keys but for a few loop-invariant values parked in local memory (nvcc -Xptxas
-// -v), where 128 keys at D = 64 would spill inside the loop. Shared memory: Q plus two K and two V buffers,
-// (128 + 4 * BN) * D * 2 bytes = 48 KiB at D = 64, 96 KiB (64 KiB with 32 keys) at D = 128.
+// Tiles: 128 query rows (4 warps x 2 row tiles of 16, the M of one mma) by BN keys: 128 at D = 64 and 64 at D = 128
+// where an SM holds two such blocks, else half that (launch_forward). Each warp owns two row tiles so that every K and
+// V fragment it reads from shared memory feeds two products: with one, the ldmatrix reads (128 bytes a clock per SM)
+// and not the tensor cores set the pace. Registers per thread: the output accumulator 2 x 16 x D / 32 = D floats plus
+// BN for the scores, 192 at the larger tiles: within 255 (nvcc -Xptxas -v; a value parked in local memory at D = 64).
+// Shared memory: Q plus two K and two V buffers, (128 + 4 * BN) * D * 2 bytes = 80 KiB at D = 64 (48 KiB with 64
+// keys), 96 KiB at D = 128 (64 KiB with 32 keys). Larger tiles pay each tile's barrier, copies and row reductions
+// over more keys.
 constexpr int FWD_ROW_TILES = 2, FWD_BLOCK_M = 4 * 16 * FWD_ROW_TILES, FWD_THREADS = 128;
 // §17 the lazy rescale: a row's probabilities are taken against a max that may trail the true one by up to this much
 // (base 2), so they stay below 2^8, which float32 sums and the fp16/bf16 operands of P V hold as exactly as values
 // below 1; the accumulator is rescaled only when a tile's max passes it by more
 constexpr float RESCALE_SLACK = 8.f;
-// At D = 128 the rescale is two multiplies per score and skipping it pays; at D = 64 it is one, less than the branch
-// costs when a warp's rows disagree, so m stays the exact max there (§17)
+// At D = 128 the rescale is two multiplies per score (four with 32-key tiles) and skipping it pays; at D = 64 it is
+// one or less, less than the branch costs when a warp's rows disagree, so m stays the exact max there (§17)
 template <int D>
 __host__ __device__ constexpr bool lazy_rescale() {
     return D == 128;
@@ -204,17 +205,14 @@ cudaError_t launch_key_tiles(const AttentionParams &p) {
     return cudaGetLastError();
 }
 
-// 64 keys a tile where an SM holds two blocks of them (sm_90's 228 KiB of shared memory; at D = 128 one block of 96
-// KiB alone on an SM would leave 4 warps to hide each other's latencies), else 32 at D = 128
+// The larger key tile where an SM holds two blocks of it (sm_90's 228 KiB of shared memory, and sm_80's 164 at D =
+// 64: one block alone on an SM would leave 4 warps to hide each other's latencies), else the smaller
 template <typename T, int D>
 cudaError_t launch_forward(const AttentionParams &p) {
-    if constexpr (D == 64) {
-        return launch_key_tiles<T, D, 64>(p);
-    } else {
-        constexpr int reserved = 1024;  // per block, by the driver (sm_80 and newer)
-        const bool two_fit = shared_memory(p).per_sm >= 2 * (forward_smem_bytes<D, 64>() + reserved);
-        return two_fit ? launch_key_tiles<T, D, 64>(p) : launch_key_tiles<T, D, 32>(p);
-    }
+    constexpr int LARGE = D == 64 ? 128 : 64, SMALL = LARGE / 2;
+    constexpr int reserved = 1024;  // per block, by the driver (sm_80 and newer)
+    const bool two_fit = shared_memory(p).per_sm >= 2 * (forward_smem_bytes<D, LARGE>() + reserved);
+    return two_fit ? launch_key_tiles<T, D, LARGE>(p) : launch_key_tiles<T, D, SMALL>(p);
 }
 
 }  // namespace
