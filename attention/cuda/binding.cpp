@@ -93,7 +93,7 @@ std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, co
     at::Tensor dv = at::empty(v.sizes(), v.options());
     if (q.numel() == 0 || k.size(2) == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
     at::Tensor delta = at::empty(lse.sizes(), lse.options());
-    at::Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));  // zeroed by delta_kernel
     p.o = const_cast<void *>(out.data_ptr());
     p.o_stride = strides_of(out);
     p.lse = const_cast<float *>(lse.data_ptr<float>());

@@ -1,6 +1,6 @@
 // The backward pass (§4-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores, in three
 // kernels:
-//   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32;
+//   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32, and the row's dQ buffer zeroed;
 //   2. backward_kernel: one thread block per (key tile, batch, kv head) holds its K and V tile in shared memory and
 //      walks the query tiles of every query head of its group (§7), recomputing P from lse (§4); it accumulates dK
 //      and dV in registers and adds each tile's dQ share into a float32 buffer with atomics;
@@ -42,7 +42,8 @@ constexpr int backward_smem_bytes() {
 }
 
 // §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): D / 8 adjacent threads per query row, each reading 8 columns of
-// dO and O in one 16-byte load apiece (a warp per row would read 2 or 4 bytes a lane and take 4x the instructions)
+// dO and O in one 16-byte load apiece (a warp per row would read 2 or 4 bytes a lane and take 4x the instructions).
+// It also zeroes the row's dQ buffer, which backward_kernel adds into: one pass over the rows instead of a fill kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     constexpr int LANES = D / 8;  // threads per row, within one warp
@@ -60,6 +61,8 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
             static_cast<const T *>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + i * p.o_stride.row + col);
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum += Element<T>::to_float(d[e]) * Element<T>::to_float(o[e]);
+        float4 *dq_accum = reinterpret_cast<float4 *>(p.dq_accum + row * D + col);
+        dq_accum[0] = dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);

@@ -26,7 +26,7 @@ struct AttentionParams {
     const void *dout;
     Strides do_stride;
     float *delta;     // (B, Hq, Tq) rowsum(dO * O) (§5)
-    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32, zeroed: the kernels atomically add dS K into it
+    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32: delta_kernel zeroes it, backward_kernel adds dS K into it
     void *dq;         // (B, Hq, Tq, D) contiguous, as dq_accum
     void *dk, *dv;
     Strides dk_stride, dv_stride;
