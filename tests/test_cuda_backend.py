@@ -16,7 +16,7 @@ import torch
 from helpers import ROOT, assert_matches_fp64, out_and_grads, projection_views, qkv
 
 from attention import attention, available_backends, get_backend
-from attention.cuda import build
+from attention.cuda import build, shared_memory_limit
 from attention.cuda.build import CudaBackendUnavailable
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,6 +201,19 @@ def test_scores_that_rise_along_the_keys(rise, D, causal):
     per_key = rise / 32 / math.log2(math.e) * math.sqrt(D)  # the score's rise per key, times 1 / scale
     k[..., 0] = per_key * torch.arange(500, device="cuda")
     assert_matches_fp64(q, k, v, causal=causal, backend="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("limit_kib", [100, 128, 164])
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_tiles_of_gpus_with_less_shared_memory(limit_kib, D):
+    # the tiles other GPUs get, on this one: 100 KiB per SM and block (sm_86/89) makes the forward take 32-key tiles
+    # at D = 128 and the backward 32-query steps with Q and dO single-buffered (64-query double-buffered at D = 64);
+    # 128 KiB double-buffers the 32-query steps; 164 KiB (sm_80) keeps the large steps but not the 64-key forward
+    torch.manual_seed(0)
+    with shared_memory_limit(limit_kib * 1024):
+        assert_matches_fp64(*qkv(2, 4, 2, 203, 203, D, torch.bfloat16, device="cuda"), causal=True, backend="cuda")
+        assert_matches_fp64(*qkv(1, 2, 1, 300, 300, D, torch.float16, device="cuda"), causal=False, backend="cuda")
 
 
 @gpu

@@ -8,10 +8,10 @@ multiple of Hkv (GQA), any Tq and Tk, causal (bottom-right aligned: query i sees
 sees none returns 0) or not, any scale. No windows, documents, block masks or FlashAttention's extra terms, no varlen.
 
 Design (the kernels' comments cite docs/flash_attention.md by section):
-- flash_forward.cu: a block of 4 warps per 128 query rows, each warp two tiles of 16 rows; key tiles of 64 rows (32
-  at D = 128), K and V double buffered in shared memory with cp.async; S = Q K^T and O += P V on tensor cores
-  (mma.sync m16n8k16, fp32 accumulation) from operands read with ldmatrix; the online softmax in base 2; the
-  log-sum-exp saved per row.
+- flash_forward.cu: a block of 4 warps per 128 query rows, each warp two tiles of 16 rows; key tiles of 128 rows at
+  D = 64, 64 at D = 128 (half that where an SM cannot hold two blocks of them), K and V double buffered in shared
+  memory with cp.async; S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, fp32 accumulation) from operands
+  read with ldmatrix; the online softmax in base 2; the log-sum-exp saved per row.
 - flash_backward.cu: a Delta = rowsum(dO * O) pre-pass; then a block of 8 warps per 128 keys of one kv head that
   walks the query tiles (128 rows at D = 64, 64 at D = 128; half that where a block has less than 162 KiB of shared
   memory) of every query head of its group, recomputing P from the log-sum-exp; each warp takes 32 keys by half the
@@ -25,6 +25,8 @@ Design (the kernels' comments cite docs/flash_attention.md by section):
 - Here: the kernels as operators, torch.ops.nanoflash.cuda_attention_fwd and _bwd, with fakes, so torch.compile keeps
   them in its graph; the forward carries its autograd.
 """
+import contextlib
+
 import torch
 
 from ..flash.ops import define_op
@@ -33,7 +35,7 @@ from .build import CudaBackendUnavailable, check_cuda_device, load_extension
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
-__all__ = ["CudaBackendUnavailable", "check_cuda_device", "cuda_attention"]
+__all__ = ["CudaBackendUnavailable", "check_cuda_device", "cuda_attention", "shared_memory_limit"]
 
 
 def check_cuda_support(q: torch.Tensor) -> None:
@@ -111,3 +113,16 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return cuda_attention_fwd(q, k, v, bool(causal), float(scale))[0]
+
+
+@contextlib.contextmanager
+def shared_memory_limit(nbytes: int, device: torch.device | str = "cuda"):
+    """Within it, the kernels choose their tiles as on a GPU with at most nbytes of shared memory per block and per
+    SM: the tiles of an A100 (164 KiB) or an RTX 30/40 (100 KiB) on this one, which the tests check against float64
+    there (flash_forward.cu's key tiles and flash_backward.cu's query steps are chosen by shared memory)."""
+    module = load_extension(torch.device(device))
+    module.set_shared_memory_limit(nbytes)
+    try:
+        yield
+    finally:
+        module.set_shared_memory_limit(0)

@@ -11,6 +11,8 @@ namespace {
 using nanoflash_cuda::AttentionParams;
 using nanoflash_cuda::Strides;
 
+int shared_memory_limit = 0;  // AttentionParams::smem_limit of every call (set_shared_memory_limit)
+
 Strides strides_of(const at::Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 // what the kernels assume of a (B, H, T, D) tensor; the Python wrapper .contiguous()s the ones that are not so
@@ -53,6 +55,7 @@ AttentionParams make_params(const at::Tensor &q, const at::Tensor &k, const at::
     p.causal = causal;
     p.bf16 = dtype == at::kBFloat16;
     p.stream = c10::cuda::getCurrentCUDAStream().stream();
+    p.smem_limit = shared_memory_limit;
     return p;
 }
 
@@ -90,7 +93,7 @@ std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, co
     at::Tensor dv = at::empty(v.sizes(), v.options());
     if (q.numel() == 0 || k.size(2) == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
     at::Tensor delta = at::empty(lse.sizes(), lse.options());
-    at::Tensor dq_accum = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    at::Tensor dq_accum = at::empty(q.sizes(), q.options().dtype(at::kFloat));  // zeroed by delta_kernel
     p.o = const_cast<void *>(out.data_ptr());
     p.o_stride = strides_of(out);
     p.lse = const_cast<float *>(lse.data_ptr<float>());
@@ -114,4 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "nanoflash's CUDA FlashAttention-2 kernels (attention/cuda)";
     m.def("forward", &forward, "attention forward -> (out, lse)");
     m.def("backward", &backward, "attention backward -> (dq, dk, dv)");
+    m.def(
+        "set_shared_memory_limit", [](int bytes) { shared_memory_limit = bytes; },
+        "choose tiles as if the GPU had at most this much shared memory per block and per SM (0: its own)");
 }

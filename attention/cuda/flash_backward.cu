@@ -1,6 +1,6 @@
 // The backward pass (§4-§8 of docs/flash_attention.md; §17 sets it beside the Triton one) on tensor cores, in three
 // kernels:
-//   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32;
+//   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32, and the row's dQ buffer zeroed;
 //   2. backward_kernel: one thread block per (key tile, batch, kv head) holds its K and V tile in shared memory and
 //      walks the query tiles of every query head of its group (§7), recomputing P from lse (§4); it accumulates dK
 //      and dV in registers and adds each tile's dQ share into a float32 buffer with atomics;
@@ -42,7 +42,8 @@ constexpr int backward_smem_bytes() {
 }
 
 // §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): D / 8 adjacent threads per query row, each reading 8 columns of
-// dO and O in one 16-byte load apiece (a warp per row would read 2 or 4 bytes a lane and take 4x the instructions)
+// dO and O in one 16-byte load apiece (a warp per row would read 2 or 4 bytes a lane and take 4x the instructions).
+// It also zeroes the row's dQ buffer, which backward_kernel adds into: one pass over the rows instead of a fill kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     constexpr int LANES = D / 8;  // threads per row, within one warp
@@ -60,6 +61,8 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
             static_cast<const T *>(p.o) + b * p.o_stride.batch + h * p.o_stride.head + i * p.o_stride.row + col);
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum += Element<T>::to_float(d[e]) * Element<T>::to_float(o[e]);
+        float4 *dq_accum = reinterpret_cast<float4 *>(p.dq_accum + row * D + col);
+        dq_accum[0] = dq_accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int offset = LANES / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
@@ -99,25 +102,30 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const int m_tiles = first_query < Tq ? (Tq - m_first + BM - 1) / BM : 0;
     const int steps = group * m_tiles;  // §7: every query head of the group, one after the other
 
-    // step -> (query head, first query row) and the asynchronous loads of its Q and dO tiles, and of its rows' lse
-    // (§4) and Delta (§5), into buffer buf: all of them arrive while the previous step computes
-    auto head_of = [&](int step) { return h_kv * group + step / m_tiles; };
-    auto row_of = [&](int step) { return m_first + (step % m_tiles) * BM; };
-    auto rows_of = [&](int step) { return (static_cast<int64_t>(b) * p.heads_q + head_of(step)) * Tq; };  // lse rows
-    auto issue = [&](int step, int buf) {
-        const int h = head_of(step), m0 = row_of(step);
+    // A step's query head and first row: the query tiles of one head, then of the next (§7), stepped by adds, not
+    // worked out from the step's index (a division by m_tiles each time). issue: the asynchronous loads of the step's
+    // Q and dO tiles, and of its rows' lse (§4) and Delta (§5), into buffer buf: all of them arrive while the previous
+    // step computes.
+    struct Step {
+        int head, m0;
+    };
+    auto next = [&](Step at) { return at.m0 + BM < Tq ? Step{at.head, at.m0 + BM} : Step{at.head + 1, m_first}; };
+    auto rows_of = [&](Step at) { return (static_cast<int64_t>(b) * p.heads_q + at.head) * Tq; };  // of lse's rows
+    auto issue = [&](Step at, int buf) {
+        const int h = at.head, m0 = at.m0;
         const T *q = static_cast<const T *>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
         const T *dout = static_cast<const T *>(p.dout) + b * p.do_stride.batch + h * p.do_stride.head;
         load_tile_async<T, BM, D, BWD_THREADS>(s_q + buf * BM * D, q, p.q_stride.row, m0, Tq, tid);
         load_tile_async<T, BM, D, BWD_THREADS>(s_do + buf * BM * D, dout, p.do_stride.row, m0, Tq, tid);
         if (tid < BM) {
             const bool valid = m0 + tid < Tq;
-            const int64_t row = valid ? rows_of(step) + m0 + tid : 0;
+            const int64_t row = valid ? rows_of(at) + m0 + tid : 0;
             cp_async_4(s_lse + buf * BM + tid, p.lse + row, valid);
             cp_async_4(s_delta + buf * BM + tid, p.delta + row, valid);  // 0 past Tq
         }
     };
-    if (steps > 0) issue(0, 0);
+    Step at{h_kv * group, m_first};
+    if (steps > 0) issue(at, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
 
     float dk[2][HALF_D / 8][4] = {}, dv[2][HALF_D / 8][4] = {};  // the warp's 32 keys x its half of D
@@ -136,9 +144,9 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const uint32_t ds_rows = b_pattern<BM>(s_dst, 0, dq_row, lane), k_cols = a_pattern<D>(s_k, 0, dq_col, lane);
     const uint32_t p_element = swizzle<BM>(key0 + g, query0 + 2 * t) * sizeof(T);
 
-    for (int step = 0; step < steps; ++step) {
-        const int buf = STAGES == 2 ? step & 1 : 0, m0 = row_of(step);
-        const int64_t row_base = rows_of(step);  // of dq_accum's rows
+    for (int step = 0; step < steps; ++step, at = next(at)) {
+        const int buf = STAGES == 2 ? step & 1 : 0, m0 = at.m0;
+        const int64_t row_base = rows_of(at);  // of dq_accum's rows
         cp_async_wait<0>();  // the step's copies, issued while the previous step computed
         // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
@@ -147,7 +155,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // double buffering (the num_stages = 2 of §9): the next step's copies into the other buffer, which the barrier
         // above freed, run while this step computes; with one buffer they are issued at the end of the step
         if (STAGES == 2 && step + 1 < steps) {
-            issue(step + 1, buf ^ 1);
+            issue(next(at), buf ^ 1);
             cp_async_commit();
         }
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
@@ -191,15 +199,16 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
                     st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[query0 + nb * 8 + 2 * t + e % 2]));
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift)) {
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int r = 0; r < 4; ++r) {  // the thread's key rows: tile r / 2, row g + 8 (r % 2) in it
+                // the row's first visible query, counted from the thread's first query column (m0 + query0 + 2t)
+                const int key = n0 + key0 + (r / 2) * 16 + g + 8 * (r % 2);
+                const int first = first_visible_query(key, Tq, Tk, p.causal) - m0 - query0 - 2 * t;
 #pragma unroll
                 for (int nb = 0; nb < HALF_M / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + key0 + mt * 16 + g + 8 * (e / 2);
-                        const int query = m0 + query0 + nb * 8 + 2 * t + e % 2;
-                        if (!visible(query, key, Tq, Tk, p.causal)) st[mt][nb][e] = 0.f;
-                    }
+                    for (int e = 0; e < 2; ++e)
+                        if (nb * 8 + e < first) st[r / 2][nb][2 * (r % 2) + e] = 0.f;
+            }
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
@@ -276,7 +285,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         }
         if (STAGES == 1 && step + 1 < steps) {
             __syncthreads();  // every warp is done with the one buffer
-            issue(step + 1, 0);
+            issue(next(at), 0);
             cp_async_commit();
         }
     }
@@ -337,9 +346,7 @@ cudaError_t launch_backward(const AttentionParams &p) {
 
     // the largest query step a block's shared memory holds (the device's opt-in maximum): 128 queries at D = 64 or 64
     // at D = 128 with Q and dO double buffered, then 64 or 32 double buffered, then single buffered
-    int device = 0, smem_max = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    const int smem_max = shared_memory(p).per_block;
     constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64;
     cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, 2>()   ? launch_key_tiles<T, D, LARGE, 2>(p)
                       : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)

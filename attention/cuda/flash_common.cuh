@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <climits>
 #include <cstdint>
 
 #include "flash_params.h"
@@ -185,18 +186,30 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Rows [row0, row0 + ROWS) of a (T, COLS) matrix whose rows are row_stride elements apart, into a swizzled ROWS x
-// COLS tile; rows >= seqlen become zeros (§6 ragged last tile). Issued by all THREADS threads, 16 bytes each.
+// COLS tile; rows >= seqlen become zeros (§6 ragged last tile). Issued by all THREADS threads, 16 bytes each: a thread
+// copies one 16-byte column of the rows tid / CHUNKS + i * ROW_STEP, which share the swizzle (it depends on row % 8),
+// so once its first chunk's addresses are known every other chunk is a fixed step away in both memories, one 64-bit
+// add and the copy, where working out row, column, swizzle and source per chunk took several times that (perf_notes
+// §14); and only a tile that reaches past seqlen tests its rows.
 template <typename T, int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_tile_async(T *tile, const T *base, int64_t row_stride, int row0, int seqlen,
                                                 int tid) {
-    constexpr int CHUNKS = COLS / 8;
-    static_assert((ROWS * CHUNKS) % THREADS == 0, "every thread copies the same number of chunks");
+    constexpr int CHUNKS = COLS / 8, ROW_STEP = THREADS / CHUNKS, PER_THREAD = ROWS / ROW_STEP;
+    static_assert(THREADS % CHUNKS == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0,
+                  "each thread's chunks: one column, rows ROW_STEP (a multiple of 8) apart");
+    const int row = tid / CHUNKS, col = (tid % CHUNKS) * 8;
+    const T *src = base + (row0 + row) * row_stride + col;
+    const int64_t step = ROW_STEP * row_stride;
+    T *dst = tile + swizzle<COLS>(row, col);
+    if (row0 + ROWS <= seqlen) {
 #pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-        const int chunk = tid + i * THREADS, row = chunk / CHUNKS, col = (chunk % CHUNKS) * 8;
-        const bool valid = row0 + row < seqlen;
-        const T *src = valid ? base + (row0 + row) * row_stride + col : base;
-        cp_async_16(tile + swizzle<COLS>(row, col), src, valid);
+        for (int i = 0; i < PER_THREAD; ++i) cp_async_16(dst + i * ROW_STEP * COLS, src + i * step, true);
+    } else {
+#pragma unroll
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const bool valid = row0 + row + i * ROW_STEP < seqlen;
+            cp_async_16(dst + i * ROW_STEP * COLS, valid ? src + i * step : base, valid);
+        }
     }
 }
 
@@ -222,9 +235,17 @@ __device__ __forceinline__ float group_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// §6: bottom-right aligned causal rule, the one place it is written for these kernels
-__device__ __forceinline__ bool visible(int query, int key, int seqlen_q, int seqlen_k, bool causal) {
-    return key < seqlen_k && (!causal || key <= query + seqlen_k - seqlen_q);
+// §6: the bottom-right aligned causal rule, the one place it is written for these kernels: query i sees key j when
+// j < Tk and, causal, j <= i + Tk - Tq. Asked once per row of a tile, as a bound its elements are compared with: the
+// forward's rows are queries, the backward's keys (a bound per element, recomputed from row and column, took
+// registers enough to spill the larger tiles).
+__device__ __forceinline__ int last_visible_key(int query, int seqlen_q, int seqlen_k, bool causal) {
+    return causal ? min(seqlen_k - 1, query + seqlen_k - seqlen_q) : seqlen_k - 1;
+}
+
+// the first query that sees key; past every query, padding rows included, for a key >= Tk, which none sees
+__device__ __forceinline__ int first_visible_query(int key, int seqlen_q, int seqlen_k, bool causal) {
+    return key >= seqlen_k ? INT_MAX : causal ? key - (seqlen_k - seqlen_q) : 0;
 }
 
 }  // namespace nanoflash_cuda

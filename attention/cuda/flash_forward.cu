@@ -8,37 +8,34 @@
 namespace nanoflash_cuda {
 namespace {
 
-// Tiles: 128 query rows (4 warps x 2 row tiles of 16, the M of one mma) by 64 keys at D = 64, 32 at D = 128. Each
-// warp owns two row tiles so that every K and V fragment it reads from shared memory feeds two products: with one,
-// the ldmatrix reads (128 bytes a clock per SM) and not the tensor cores set the pace. Registers per thread: the
-// output accumulator 2 x 16 x D / 32 = D floats plus BLOCK_N for the scores, which at D = 128 fits 255 only with 32
-// keys (64 spill: nvcc -Xptxas -v). Shared memory: Q plus two K and two V buffers, (128 + 4 * BLOCK_N) * D * 2 bytes
-// = 48 KiB at D = 64, 64 KiB at D = 128.
+// Tiles: 128 query rows (4 warps x 2 row tiles of 16, the M of one mma) by BN keys: 128 at D = 64 and 64 at D = 128
+// where an SM holds two such blocks, else half that (launch_forward). Each warp owns two row tiles so that every K and
+// V fragment it reads from shared memory feeds two products: with one, the ldmatrix reads (128 bytes a clock per SM)
+// and not the tensor cores set the pace. Registers per thread: the output accumulator 2 x 16 x D / 32 = D floats plus
+// BN for the scores, 192 at the larger tiles: within 255 (nvcc -Xptxas -v; a value parked in local memory at D = 64).
+// Shared memory: Q plus two K and two V buffers, (128 + 4 * BN) * D * 2 bytes = 80 KiB at D = 64 (48 KiB with 64
+// keys), 96 KiB at D = 128 (64 KiB with 32 keys). Larger tiles pay each tile's barrier, copies and row reductions
+// over more keys.
 constexpr int FWD_ROW_TILES = 2, FWD_BLOCK_M = 4 * 16 * FWD_ROW_TILES, FWD_THREADS = 128;
 // §17 the lazy rescale: a row's probabilities are taken against a max that may trail the true one by up to this much
 // (base 2), so they stay below 2^8, which float32 sums and the fp16/bf16 operands of P V hold as exactly as values
 // below 1; the accumulator is rescaled only when a tile's max passes it by more
 constexpr float RESCALE_SLACK = 8.f;
-// At D = 128 (32-key tiles) the rescale is four multiplies per score and skipping it pays; at D = 64 (64-key tiles)
-// it is one, less than the branch costs when a warp's rows disagree, so m stays the exact max there (§17)
+// At D = 128 the rescale is two multiplies per score (four with 32-key tiles) and skipping it pays; at D = 64 it is
+// one or less, less than the branch costs when a warp's rows disagree, so m stays the exact max there (§17)
 template <int D>
 __host__ __device__ constexpr bool lazy_rescale() {
     return D == 128;
 }
 
-template <int D>
-__host__ __device__ constexpr int forward_block_n() {
-    return D == 64 ? 64 : 32;
-}
-
-template <int D>
+template <int D, int BN>
 constexpr int forward_smem_bytes() {
-    return (FWD_BLOCK_M + 4 * forward_block_n<D>()) * D * 2;
+    return (FWD_BLOCK_M + 4 * BN) * D * 2;
 }
 
-template <typename T, int D>
+template <typename T, int D, int BN>
 __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionParams p) {
-    constexpr int BM = FWD_BLOCK_M, BN = forward_block_n<D>(), MT = FWD_ROW_TILES;
+    constexpr int BM = FWD_BLOCK_M, MT = FWD_ROW_TILES;
     using E = Element<T>;
     extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_q = reinterpret_cast<T *>(smem);
@@ -113,14 +110,16 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
         // §6: only a tile that straddles the diagonal, or the ragged last key tile, is masked element by element
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + Tk - Tq)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+            for (int r = 0; r < 2 * MT; ++r) {
+                // the row's last visible key, counted from the thread's first column of the tile (n0 + 2t)
+                const int row = m0 + warp_row0 + (r / 2) * 16 + g + 8 * (r % 2);
+                const int last = last_visible_key(row, Tq, Tk, p.causal) - n0 - 2 * t;
 #pragma unroll
                 for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int row = m0 + warp_row0 + mt * 16 + g + (e / 2) * 8, col = n0 + nb * 8 + 2 * t + (e % 2);
-                        if (!visible(row, col, Tq, Tk, p.causal)) s[mt][nb][e] = -INFINITY;
-                    }
+                    for (int e = 0; e < 2; ++e)
+                        if (nb * 8 + e > last) s[r / 2][nb][2 * (r % 2) + e] = -INFINITY;
+            }
         }
 
         // §2 online softmax, §8 exp2, for the thread's 2 * MT rows
@@ -195,15 +194,25 @@ __global__ void __launch_bounds__(FWD_THREADS) forward_kernel(const AttentionPar
     }
 }
 
-template <typename T, int D>
-cudaError_t launch_forward(const AttentionParams &p) {
-    constexpr int smem = forward_smem_bytes<D>();
-    auto kernel = forward_kernel<T, D>;
+template <typename T, int D, int BN>
+cudaError_t launch_key_tiles(const AttentionParams &p) {
+    constexpr int smem = forward_smem_bytes<D, BN>();
+    auto kernel = forward_kernel<T, D, BN>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     const dim3 grid((p.seqlen_q + FWD_BLOCK_M - 1) / FWD_BLOCK_M, p.batch * p.heads_q);
     kernel<<<grid, FWD_THREADS, smem, p.stream>>>(p);
     return cudaGetLastError();
+}
+
+// The larger key tile where an SM holds two blocks of it (sm_90's 228 KiB of shared memory, and sm_80's 164 at D =
+// 64: one block alone on an SM would leave 4 warps to hide each other's latencies), else the smaller
+template <typename T, int D>
+cudaError_t launch_forward(const AttentionParams &p) {
+    constexpr int LARGE = D == 64 ? 128 : 64, SMALL = LARGE / 2;
+    constexpr int reserved = 1024;  // per block, by the driver (sm_80 and newer)
+    const bool two_fit = shared_memory(p).per_sm >= 2 * (forward_smem_bytes<D, LARGE>() + reserved);
+    return two_fit ? launch_key_tiles<T, D, LARGE>(p) : launch_key_tiles<T, D, SMALL>(p);
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ struct AttentionParams {
     const void *dout;
     Strides do_stride;
     float *delta;     // (B, Hq, Tq) rowsum(dO * O) (§5)
-    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32, zeroed: the kernels atomically add dS K into it
+    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32: delta_kernel zeroes it, backward_kernel adds dS K into it
     void *dq;         // (B, Hq, Tq, D) contiguous, as dq_accum
     void *dk, *dv;
     Strides dk_stride, dv_stride;
@@ -36,7 +36,28 @@ struct AttentionParams {
     bool causal;  // bottom-right aligned: query i sees keys j <= i + Tk - Tq (§6)
     bool bf16;    // bfloat16 inputs, else float16
     cudaStream_t stream;
+    // shared memory the launches choose tiles by, bytes (launch_forward, launch_backward): 0 for the device's own;
+    // less makes this GPU run the tiles of one that has less (the tests, through attention.cuda.shared_memory_limit)
+    int smem_limit;
 };
+
+// The shared memory a block may take (the opt-in maximum) and an SM holds, bytes, each capped at p.smem_limit if set
+struct SharedMemory {
+    int per_block, per_sm;
+};
+
+inline SharedMemory shared_memory(const AttentionParams &p) {
+    int device = 0;
+    SharedMemory smem{};
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&smem.per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaDeviceGetAttribute(&smem.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    if (p.smem_limit > 0) {
+        smem.per_block = smem.per_block < p.smem_limit ? smem.per_block : p.smem_limit;
+        smem.per_sm = smem.per_sm < p.smem_limit ? smem.per_sm : p.smem_limit;
+    }
+    return smem;
+}
 
 // Both return cudaSuccess or the launch error; they check nothing the binding has checked (dtype, head dim, strides).
 cudaError_t flash_forward(const AttentionParams &params);
