@@ -163,9 +163,10 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
         // fragment feeds both key tiles
         float st[2][HALF_M / 8][4] = {}, dpt[2][HALF_M / 8][4] = {};
-        // two k-steps a pass, but one at the larger steps (BM x D = 64 x 128 or 128 x 64), where two spill
-        // (nvcc -Xptxas -v)
-#pragma unroll(BM * D >= 64 * 128 ? 1 : 2)
+        // unrolled whole, as the dQ product below: the compiler then loads the next k-step's fragments while this
+        // one's products run, and with only two warps per scheduler nothing else hides ldmatrix's latency (no spill
+        // on sm_90 since the row-bound masks, nvcc -Xptxas -v)
+#pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             uint32_t ak[2][4], av[2][4];
 #pragma unroll
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         // §5 dQ += dS K: A = dS = (dS^T)^T read with .trans from the keys x queries tile, B = K (keys x D) with
         // .trans; the 16 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file)
         float dq[DQ_COLS / 8][4] = {};
-#pragma unroll 2
+#pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             uint32_t a[4];
             ldmatrix_x4_trans(a, block_at<BM>(ds_rows, kk * 16, 0));
