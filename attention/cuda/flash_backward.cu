@@ -25,10 +25,11 @@ namespace {
 // the pace; the forward's two row tiles, same reason):
 //   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
 //   P^T and dS^T go to shared memory, since the next products split the work another way;
-//   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by half of D's columns, so dK and dV
-//   hold 2 x 32 x D / 2 floats per warp, D per thread, as a warp of 16 keys by all of D would;
-//   dQ += dS K: warp w a block of 16 queries by DQ_COLS of D's columns.
-// Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
+//   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by all of D, for dV where w < 4 and
+//   for dK else: D floats a thread, as both halves of D for both would take, with fewer fragment reads (a P^T or
+//   dS^T fragment, not both, beside all of D's dO or Q fragments, each feeding two products);
+//   dQ += dS K: warp w a block of 32 queries (two mma row tiles, as above) by DQ_COLS of D's columns.
+// Registers: D for dK or dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
 // four parked in local memory at the larger steps, read once a step. Shared memory: K and V (2 x 128 x D), Q and dO
 // in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and Delta:
 // at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB single
@@ -39,6 +40,27 @@ constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 template <int D, int BM, int STAGES>
 constexpr int backward_smem_bytes() {
     return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4;
+}
+
+// acc += A B^T, D deep (§5 with keys as rows: S^T = K Q^T or dP^T = V dO^T): the warp's 32 keys (two mma row tiles)
+// of the K or V tile, whose first block's lane address is a_rows, by HALF_M queries of the Q or dO tile, from b_cols.
+// Each B fragment feeds both key tiles. Unrolled whole: the next k-step's fragments load while this one's products
+// run, which two warps a scheduler cannot otherwise hide (no spill on sm_90 since the row-bound masks, -Xptxas -v).
+template <typename T, int D, int HALF_M>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[2][HALF_M / 8][4], uint32_t a_rows, uint32_t b_cols) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], block_at<D>(a_rows, mt * 16, kk * 16));
+#pragma unroll
+        for (int nb = 0; nb < HALF_M / 16; ++nb) {
+            uint32_t b[4];
+            ldmatrix_x4(b, block_at<D>(b_cols, nb * 16, kk * 16));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(acc[mt][2 * nb], acc[mt][2 * nb + 1], a[mt], b);
+        }
+    }
 }
 
 // §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): D / 8 adjacent threads per query row, each reading 8 columns of
@@ -71,7 +93,7 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
 
 template <typename T, int D, int BM, int STAGES>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
-    constexpr int BN = BWD_BLOCK_N, HALF_M = BM / 2, HALF_D = D / 2;
+    constexpr int BN = BWD_BLOCK_N, HALF_M = BM / 2;
     using E = Element<T>;
     extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_k = reinterpret_cast<T *>(smem);
@@ -85,7 +107,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int key0 = (warp % 4) * 32;  // the warp's 32 keys in the block: two mma row tiles
-    const int query0 = (warp / 4) * HALF_M, col0 = (warp / 4) * HALF_D;  // its half of the queries, of D
+    const int query0 = (warp / 4) * HALF_M;  // its half of the queries
+    const bool accumulates_dv = warp < 4;     // its product: dV += P^T dO, else dK += dS^T Q
     const int n0 = blockIdx.x * BN;
     const int b = blockIdx.y / p.heads_kv, h_kv = blockIdx.y % p.heads_kv;
     const int group = p.heads_q / p.heads_kv;  // §7: query heads h_kv * G ... h_kv * G + G - 1 read this kv head
@@ -128,19 +151,20 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     if (steps > 0) issue(at, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
 
-    float dk[2][HALF_D / 8][4] = {}, dv[2][HALF_D / 8][4] = {};  // the warp's 32 keys x its half of D
+    float dkv[2][D / 8][4] = {};  // the warp's 32 keys x D of dV or dK
     const float scale_log2 = p.scale * LOG2E;                   // §8 exp2
 
-    // dQ: warp w computes query rows (w % ROW_BLOCKS) * 16 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
-    constexpr int ROW_BLOCKS = BM / 16, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
-    const int dq_row = (warp % ROW_BLOCKS) * 16, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
+    // dQ: warp w computes query rows (w % ROW_BLOCKS) * 32 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
+    constexpr int ROW_BLOCKS = BM / 32, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
+    const int dq_row = (warp % ROW_BLOCKS) * 32, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
 
     // The lane's shared-memory addresses of the first block each product reads, and of its first P^T / dS^T element
     // (a byte offset in the tile); every other block is block_at one of them (rows of buffer buf: + buf * BM)
     const uint32_t k_rows = a_pattern<D>(s_k, key0, 0, lane), v_rows = a_pattern<D>(s_v, key0, 0, lane);
     const uint32_t q_cols = b_pattern<D>(s_q, query0, 0, lane), do_cols = b_pattern<D>(s_do, query0, 0, lane);
     const uint32_t pt_rows = a_pattern<BM>(s_pt, key0, 0, lane), dst_rows = a_pattern<BM>(s_dst, key0, 0, lane);
-    const uint32_t do_half = a_pattern<D>(s_do, 0, col0, lane), q_half = a_pattern<D>(s_q, 0, col0, lane);
+    const uint32_t dkv_a = accumulates_dv ? pt_rows : dst_rows;  // P^T or dS^T, the warp's keys
+    const uint32_t dkv_b = a_pattern<D>(accumulates_dv ? s_do : s_q, 0, 0, lane);  // dO or Q
     const uint32_t ds_rows = b_pattern<BM>(s_dst, 0, dq_row, lane), k_cols = a_pattern<D>(s_k, 0, dq_col, lane);
     const uint32_t p_element = swizzle<BM>(key0 + g, query0 + 2 * t) * sizeof(T);
 
@@ -160,44 +184,31 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         }
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
 
-        // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries; each Q and dO
-        // fragment feeds both key tiles
+        // §5 with keys as rows: S^T = K Q^T and dP^T = V dO^T, the warp's 32 keys x its HALF_M queries, in an order
+        // of the warp's: the two warps of a scheduler (w and w + 4) compute them in turn, so that while one takes the
+        // exponentials of its S^T (below: the special-function unit) the other's products keep the tensor cores
+        // busy. In one order for all, every warp of the block would reach the exponentials at once (the barriers
+        // keep them in step), and the tensor cores would idle through them.
         float st[2][HALF_M / 8][4] = {}, dpt[2][HALF_M / 8][4] = {};
-        // unrolled whole, as the dQ product below: the compiler then loads the next k-step's fragments while this
-        // one's products run, and with only two warps per scheduler nothing else hides ldmatrix's latency (no spill
-        // on sm_90 since the row-bound masks, nvcc -Xptxas -v)
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t ak[2][4], av[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                ldmatrix_x4(ak[mt], block_at<D>(k_rows, mt * 16, kk * 16));
-                ldmatrix_x4(av[mt], block_at<D>(v_rows, mt * 16, kk * 16));
-            }
-#pragma unroll
-            for (int nb = 0; nb < HALF_M / 16; ++nb) {
-                uint32_t bq[4], bo[4];
-                ldmatrix_x4(bq, block_at<D>(q_cols, buf * BM + nb * 16, kk * 16));
-                ldmatrix_x4(bo, block_at<D>(do_cols, buf * BM + nb * 16, kk * 16));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_16x16<T>(st[mt][2 * nb], st[mt][2 * nb + 1], ak[mt], bq);
-                    mma_16x16<T>(dpt[mt][2 * nb], dpt[mt][2 * nb + 1], av[mt], bo);
-                }
-            }
-        }
+        const bool dp_first = warp >= 4;
+        const uint32_t q_step = block_at<D>(q_cols, buf * BM, 0), do_step = block_at<D>(do_cols, buf * BM, 0);
+        if (dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
+        keys_by_queries<T, D, HALF_M>(st, k_rows, q_step);
 
         // §4: P^T = exp2(S^T * scale * log2(e) - lse), in place of S^T; §6: masked only where the tiles straddle the
-        // diagonal or the key tile is ragged, so the other steps skip the visibility tests; §5: dS^T = P^T o (dP^T -
-        // Delta). Both go to shared memory in the inputs' dtype (§8). Element e of fragment (mt, nb) is key
-        // key0 + mt * 16 + g + 8 (e / 2), query query0 + nb * 8 + 2t + e % 2 (the C layout, flash_common.cuh).
+        // diagonal or the key tile is ragged, so the other steps skip the visibility tests. Element e of fragment
+        // (mt, nb) is key key0 + mt * 16 + g + 8 (e / 2), query query0 + nb * 8 + 2t + e % 2 (the C layout,
+        // flash_common.cuh). To shared memory in the inputs' dtype (§8), for dV's product.
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+        for (int nb = 0; nb < HALF_M / 8; ++nb) {
+            // the lse of the thread's queries 2t and 2t + 1 of the block
+            const float2 row_lse = *reinterpret_cast<const float2 *>(lse + query0 + nb * 8 + 2 * t);
 #pragma unroll
-            for (int nb = 0; nb < HALF_M / 8; ++nb)
+            for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -lse[query0 + nb * 8 + 2 * t + e % 2]));
+                    st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -(e % 2 ? row_lse.y : row_lse.x)));
+        }
         if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift)) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {  // the thread's key rows: tile r / 2, row g + 8 (r % 2) in it
@@ -211,76 +222,85 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
                         if (nb * 8 + e < first) st[r / 2][nb][2 * (r % 2) + e] = 0.f;
             }
         }
+        // a fragment row's two elements, packed, to P^T or dS^T (byte offset block_at's)
+        auto store_pair = [&](T *tile, int mt, int nb, int r, float lo, float hi) {
+            const uint32_t at = block_at<BM>(p_element, mt * 16 + 8 * r, nb * 8);
+            *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(tile) + at) = E::pack(lo, hi);
+        };
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-            for (int nb = 0; nb < HALF_M / 8; ++nb) {
-                const float *prob = st[mt][nb];
+            for (int nb = 0; nb < HALF_M / 8; ++nb)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) store_pair(s_pt, mt, nb, r, st[mt][nb][2 * r], st[mt][nb][2 * r + 1]);
+
+        if (!dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
+
+        // §5: dS^T = P^T o (dP^T - Delta), to shared memory for dK's and dQ's products
+#pragma unroll
+        for (int nb = 0; nb < HALF_M / 8; ++nb) {
+            const float2 row_delta = *reinterpret_cast<const float2 *>(delta + query0 + nb * 8 + 2 * t);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
                 float ds[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ds[e] = prob[e] * (dpt[mt][nb][e] - delta[query0 + nb * 8 + 2 * t + e % 2]);
+                for (int e = 0; e < 4; ++e)
+                    ds[e] = st[mt][nb][e] * (dpt[mt][nb][e] - (e % 2 ? row_delta.y : row_delta.x));
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {  // the fragment's rows g and g + 8
-                    const uint32_t at = block_at<BM>(p_element, mt * 16 + 8 * r, nb * 8);
-                    *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(s_pt) + at) =
-                        E::pack(prob[2 * r], prob[2 * r + 1]);
-                    *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(s_dst) + at) =
-                        E::pack(ds[2 * r], ds[2 * r + 1]);
-                }
+                for (int r = 0; r < 2; ++r) store_pair(s_dst, mt, nb, r, ds[2 * r], ds[2 * r + 1]);
             }
         }
         __syncthreads();
 
-        // §5 dV += P^T dO and dK += dS^T Q (the scale comes once, at the store): the warp's 32 keys x its HALF_D
-        // columns; P^T and dS^T (keys x queries) are A fragments, dO and Q (queries x D, k x n) are read with .trans
-        // as B, each feeding both key tiles
+        // §5 dV += P^T dO or dK += dS^T Q (the scale comes once, at the store): the warp's 32 keys x D; P^T or dS^T
+        // (keys x queries) is the A operand, dO or Q (queries x D, k x n) read with .trans the B operand, each of its
+        // fragments feeding both key tiles
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
-            uint32_t ap[2][4], ads[2][4];
+            uint32_t a[2][4];
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                ldmatrix_x4(ap[mt], block_at<BM>(pt_rows, mt * 16, kk * 16));
-                ldmatrix_x4(ads[mt], block_at<BM>(dst_rows, mt * 16, kk * 16));
-            }
+            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], block_at<BM>(dkv_a, mt * 16, kk * 16));
 #pragma unroll
-            for (int dn = 0; dn < HALF_D / 16; ++dn) {
-                uint32_t bo[4], bq[4];
-                ldmatrix_x4_trans(bo, block_at<D>(do_half, buf * BM + kk * 16, dn * 16));
-                ldmatrix_x4_trans(bq, block_at<D>(q_half, buf * BM + kk * 16, dn * 16));
+            for (int dn = 0; dn < D / 16; ++dn) {
+                uint32_t bt[4];
+                ldmatrix_x4_trans(bt, block_at<D>(dkv_b, buf * BM + kk * 16, dn * 16));
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    mma_16x16<T>(dv[mt][2 * dn], dv[mt][2 * dn + 1], ap[mt], bo);
-                    mma_16x16<T>(dk[mt][2 * dn], dk[mt][2 * dn + 1], ads[mt], bq);
-                }
+                for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(dkv[mt][2 * dn], dkv[mt][2 * dn + 1], a[mt], bt);
             }
         }
 
         // §5 dQ += dS K: A = dS = (dS^T)^T read with .trans from the keys x queries tile, B = K (keys x D) with
-        // .trans; the 16 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file)
-        float dq[DQ_COLS / 8][4] = {};
+        // .trans; the 32 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file). Each K
+        // fragment feeds both row tiles: 4 fragment reads per 8 products at the large steps, where 16 rows by twice
+        // the columns took 5
+        float dq[2][DQ_COLS / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix_x4_trans(a, block_at<BM>(ds_rows, kk * 16, 0));
+            uint32_t a[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(a[mt], block_at<BM>(ds_rows, kk * 16, mt * 16));
 #pragma unroll
             for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
                 uint32_t bk[4];
                 ldmatrix_x4_trans(bk, block_at<D>(k_cols, kk * 16, dn * 16));
-                mma_16x16<T>(dq[2 * dn], dq[2 * dn + 1], a, bk);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(dq[mt][2 * dn], dq[mt][2 * dn + 1], a[mt], bk);
             }
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = m0 + dq_row + g + 8 * r;
+        for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
+            const int row = m0 + dq_row + (r / 2) * 16 + g + 8 * (r % 2);
             if (row >= Tq) continue;
             float *dq_accum = p.dq_accum + (row_base + row) * D + dq_col + 2 * t;
+            const float(&acc)[DQ_COLS / 8][4] = dq[r / 2];
 #pragma unroll
             for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+                const float lo = acc[dn][2 * (r % 2)], hi = acc[dn][2 * (r % 2) + 1];
 #if __CUDA_ARCH__ >= 900  // a pair of floats in one vector atomic: a row's 4 threads fill a 32-byte sector
-                atomicAdd(reinterpret_cast<float2 *>(dq_accum + dn * 8), make_float2(dq[dn][2 * r], dq[dn][2 * r + 1]));
+                atomicAdd(reinterpret_cast<float2 *>(dq_accum + dn * 8), make_float2(lo, hi));
 #else
-                atomicAdd(dq_accum + dn * 8, dq[dn][2 * r]);
-                atomicAdd(dq_accum + dn * 8 + 1, dq[dn][2 * r + 1]);
+                atomicAdd(dq_accum + dn * 8, lo);
+                atomicAdd(dq_accum + dn * 8 + 1, hi);
 #endif
             }
         }
@@ -292,9 +312,10 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     }
     cp_async_wait<0>();  // no step: K and V's copies are still owed
 
-    // dK = scale * dS^T Q (§5) and dV, summed over the group's query heads (§7), for keys < Tk
-    T *dk_out = static_cast<T *>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
-    T *dv_out = static_cast<T *>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
+    // dV, or dK = scale * dS^T Q (§5), summed over the group's query heads (§7), for keys < Tk
+    const Strides out_stride = accumulates_dv ? p.dv_stride : p.dk_stride;
+    T *dkv_out = static_cast<T *>(accumulates_dv ? p.dv : p.dk) + b * out_stride.batch + h_kv * out_stride.head;
+    const float out_scale = accumulates_dv ? 1.f : p.scale;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -302,13 +323,9 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
             const int key = n0 + key0 + mt * 16 + g + 8 * r;
             if (key >= Tk) continue;
 #pragma unroll
-            for (int dn = 0; dn < HALF_D / 8; ++dn) {
-                const int col = col0 + dn * 8 + 2 * t;
-                *reinterpret_cast<uint32_t *>(dk_out + key * p.dk_stride.row + col) =
-                    E::pack(dk[mt][dn][2 * r] * p.scale, dk[mt][dn][2 * r + 1] * p.scale);
-                *reinterpret_cast<uint32_t *>(dv_out + key * p.dv_stride.row + col) =
-                    E::pack(dv[mt][dn][2 * r], dv[mt][dn][2 * r + 1]);
-            }
+            for (int dn = 0; dn < D / 8; ++dn)
+                *reinterpret_cast<uint32_t *>(dkv_out + key * out_stride.row + dn * 8 + 2 * t) =
+                    E::pack(dkv[mt][dn][2 * r] * out_scale, dkv[mt][dn][2 * r + 1] * out_scale);
         }
     }
 }
