@@ -117,18 +117,6 @@ def test_importing_attention_needs_no_compiler():
     assert result.returncode == 0, result.stderr
 
 
-def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
-    from attention.cuda import kernel_layout
-
-    q, k, v = projection_views(2, 37, 4, 64)  # views of one projection: strides multiples of 8, last dim contiguous
-    assert kernel_layout(q) is q
-    strided = torch.randn(1, 2, 37, 128)[..., ::2]  # last dim not contiguous
-    assert kernel_layout(strided).is_contiguous()
-    odd = torch.randn(1 * 2 * 37 * 64 + 1)[1:].view(1, 2, 37, 64)  # contiguous, 2 bytes past 16-byte alignment
-    fixed = kernel_layout(odd)
-    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
-
-
 def test_the_operators_shape_their_outputs_for_torch_compile():
     # torch.compile traces the operators on fake tensors: their fakes must give the kernels' output shapes and dtypes
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -214,6 +202,27 @@ def test_the_tiles_of_gpus_with_less_shared_memory(limit_kib, D):
     with shared_memory_limit(limit_kib * 1024):
         assert_matches_fp64(*qkv(2, 4, 2, 203, 203, D, torch.bfloat16, device="cuda"), causal=True, backend="cuda")
         assert_matches_fp64(*qkv(1, 2, 1, 300, 300, D, torch.float16, device="cuda"), causal=False, backend="cuda")
+
+
+@gpu
+def test_kernel_layout_copies_only_what_the_kernels_cannot_read():
+    module = build.load_extension(torch.device("cuda"))
+    q, k, v = projection_views(2, 37, 4, 64, torch.bfloat16, "cuda")  # strides multiples of 8, last dim contiguous
+    assert module.kernel_layout(q) is q
+    strided = torch.randn(1, 2, 37, 128, device="cuda", dtype=torch.bfloat16)[..., ::2]  # last dim not contiguous
+    assert module.kernel_layout(strided).is_contiguous()
+    odd = torch.randn(1 * 2 * 37 * 64 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1, 2, 37, 64)  # 2 bytes off
+    fixed = module.kernel_layout(odd)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
+
+
+@gpu
+def test_an_eager_call_is_one_cpp_autograd_node():
+    # eager calls skip the operators' Python autograd (binding.cpp's AttentionFunction); compiled ones keep the
+    # operators (test_torch_compile_fullgraph_matches_eager)
+    q, k, v = qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, device="cuda", requires_grad=True)
+    out = attention(q, k, v, backend="cuda")
+    assert "CppNode" in out.grad_fn.name() and "AttentionFunction" in out.grad_fn.name()
 
 
 @gpu

@@ -22,6 +22,8 @@ Design (the kernels' comments cite docs/flash_attention.md by section):
   cp.async hit distinct banks, each lane's address computed once and moved by block_at; the mma, ldmatrix and
   cp.async wrappers (inline PTX).
 - build.py: compiled on first use with nvcc and ninja for the GPU in use, cached by torch's extension cache.
+- binding.cpp: the inputs laid out as the kernels read them, the outputs allocated, the launches; an eager call's
+  forward and backward as one C++ autograd node.
 - Here: the kernels as operators, torch.ops.nanoflash.cuda_attention_fwd and _bwd, with fakes, so torch.compile keeps
   them in its graph; the forward carries its autograd.
 """
@@ -50,21 +52,7 @@ def check_cuda_support(q: torch.Tensor) -> None:
                          "n_head, or use backend='triton'")
 
 
-def kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """t as the kernels read it: a contiguous last dim, the other strides multiples of 8 elements and a 16-byte
-    aligned start (rows are copied in 16-byte pieces). A model's q, k, v views of one projection already are; other
-    tensors are copied. In the operators, on real tensors: a traced graph's fake ones have no address."""
-    def fits(x):
-        return x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
-
-    if fits(t):
-        return t
-    t = t.contiguous()
-    return t if fits(t) else t.clone()  # contiguous but starting off 16 bytes (a view at an odd offset)
-
-
 def _forward(q, k, v, causal: bool, scale: float):
-    q, k, v = (kernel_layout(t) for t in (q, k, v))
     out, lse = load_extension(q.device).forward(q, k, v, causal, scale)
     return out, lse
 
@@ -74,7 +62,6 @@ def _forward_fake(q, k, v, causal: bool, scale: float):
 
 
 def _backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    dout, q, k, v = (kernel_layout(t) for t in (dout, q, k, v))
     dq, dk, dv = load_extension(q.device).backward(dout, q, k, v, out, lse, causal, scale)
     return dq, dk, dv
 
@@ -97,7 +84,9 @@ def _gradients(ctx, dout, _dlse):
 
 
 # The kernels as operators (torch.ops.nanoflash.cuda_attention_*), each with a fake that gives its outputs' shapes, so
-# that torch.compile(fullgraph=True) keeps them in the graph; the forward carries its autograd.
+# that torch.compile(fullgraph=True) keeps them in the graph; the forward carries its autograd. Eager calls take
+# binding.cpp's `attention` instead: the same kernels under one C++ autograd node, where the operators' Python
+# autograd would add a Python call to the forward and another to the backward.
 cuda_attention_bwd = define_op("cuda_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                                "bool causal, float scale) -> (Tensor, Tensor, Tensor)", _backward, _backward_fake)
 cuda_attention_fwd = define_op("cuda_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) "
@@ -108,11 +97,12 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                    scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v with the CUDA kernels: q (B, Hq, Tq, D), k, v (B, Hkv, Tk, D) -> (B, Hq, Tq, D).
     scale defaults to 1/sqrt(D). The first call of a process builds (or loads from torch's cache) the extension."""
-    if not torch.compiler.is_compiling():  # the device query does not trace; compiled, binding.cpp's checks refuse
-        check_cuda_support(q)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return cuda_attention_fwd(q, k, v, bool(causal), float(scale))[0]
+    if torch.compiler.is_compiling():  # the device query does not trace; compiled, binding.cpp's checks refuse
+        return cuda_attention_fwd(q, k, v, bool(causal), float(scale))[0]
+    check_cuda_support(q)
+    return load_extension(q.device).attention(q, k, v, bool(causal), float(scale))
 
 
 @contextlib.contextmanager

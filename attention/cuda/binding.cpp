@@ -1,5 +1,8 @@
-// The PyTorch side of the CUDA kernels: checks what the kernels assume, allocates the outputs, fills AttentionParams
-// and launches on the current stream. attention/cuda/__init__.py wraps forward and backward in an autograd.Function.
+// The PyTorch side of the CUDA kernels: lays the inputs out as the kernels read them, checks the rest of what they
+// assume, allocates the outputs, fills AttentionParams and launches on the current stream. forward and backward are
+// the operators' implementations (attention/cuda/__init__.py: torch.ops.nanoflash.cuda_attention_*, which
+// torch.compile keeps in its graphs); `attention` is an eager call's whole path, forward and backward in one C++
+// autograd node, with no Python between the autograd engine and the kernels.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -15,19 +18,23 @@ int shared_memory_limit = 0;  // AttentionParams::smem_limit of every call (set_
 
 Strides strides_of(const at::Tensor &t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// what the kernels assume of a (B, H, T, D) tensor; the Python wrapper .contiguous()s the ones that are not so
-void check_layout(const at::Tensor &t, const char *name) {
+// t as the kernels read it: a contiguous last dim, the other strides multiples of 8 elements and a 16-byte aligned
+// start (rows are copied in 16-byte pieces). A model's q, k, v views of one projection already are, and so is the
+// gradient of a head-merging transpose; other tensors are copied.
+at::Tensor kernel_layout(const at::Tensor &t, const char *name) {
     TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
     TORCH_CHECK(t.dim() == 4, name, " must be (B, H, T, D)");
-    TORCH_CHECK(t.stride(3) == 1, name, " must have a contiguous last dim");
-    for (int d = 0; d < 3; ++d) TORCH_CHECK(t.stride(d) % 8 == 0, name, "'s strides must be multiples of 8 elements");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+    auto fits = [](const at::Tensor &x) {
+        return x.stride(3) == 1 && x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 && x.stride(2) % 8 == 0 &&
+               reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+    };
+    if (fits(t)) return t;
+    at::Tensor c = t.contiguous();
+    return fits(c) ? c : c.clone();  // contiguous but starting off 16 bytes (a view at an odd offset)
 }
 
+// q, k, v in kernel_layout
 AttentionParams make_params(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal, double scale) {
-    check_layout(q, "q");
-    check_layout(k, "k");
-    check_layout(v, "v");
     const auto dtype = q.scalar_type();
     TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "the cuda kernels take float16 or bfloat16");
     TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "q, k, v must have one dtype");
@@ -60,8 +67,9 @@ AttentionParams make_params(const at::Tensor &q, const at::Tensor &k, const at::
 }
 
 // -> (out (B, Hq, Tq, D), lse (B, Hq, Tq) float32 natural log, +inf for a row that sees no key)
-std::vector<at::Tensor> forward(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
+std::vector<at::Tensor> forward(const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in, bool causal,
                                 double scale) {
+    const at::Tensor q = kernel_layout(q_in, "q"), k = kernel_layout(k_in, "k"), v = kernel_layout(v_in, "v");
     const c10::cuda::CUDAGuard guard(q.device());
     AttentionParams p = make_params(q, k, v, causal, scale);
     at::Tensor out = at::empty(q.sizes(), q.options());
@@ -80,12 +88,13 @@ std::vector<at::Tensor> forward(const at::Tensor &q, const at::Tensor &k, const 
 }
 
 // -> (dq, dk, dv) shaped like q, k, v
-std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                                 const at::Tensor &out, const at::Tensor &lse, bool causal, double scale) {
+std::vector<at::Tensor> backward(const at::Tensor &dout_in, const at::Tensor &q_in, const at::Tensor &k_in,
+                                 const at::Tensor &v_in, const at::Tensor &out_in, const at::Tensor &lse, bool causal,
+                                 double scale) {
+    const at::Tensor q = kernel_layout(q_in, "q"), k = kernel_layout(k_in, "k"), v = kernel_layout(v_in, "v");
+    const at::Tensor dout = kernel_layout(dout_in, "dout"), out = kernel_layout(out_in, "out");
     const c10::cuda::CUDAGuard guard(q.device());
     AttentionParams p = make_params(q, k, v, causal, scale);
-    check_layout(dout, "dout");
-    check_layout(out, "out");
     TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(), "dout must be like q");
     TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat, "lse must be contiguous float32");
     at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -111,12 +120,43 @@ std::vector<at::Tensor> backward(const at::Tensor &dout, const at::Tensor &q, co
     return {dq, dk, dv};
 }
 
+// An eager call's autograd node: forward saves q, k, v, out and lse, and backward runs on the autograd engine's
+// thread with no Python (the operators' autograd, registered from Python, costs a Python call each way).
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &q, const at::Tensor &k,
+                              const at::Tensor &v, bool causal, double scale) {
+        std::vector<at::Tensor> out_lse = ::forward(q, k, v, causal, scale);
+        ctx->save_for_backward({q, k, v, out_lse[0], out_lse[1]});
+        ctx->saved_data["causal"] = causal;
+        ctx->saved_data["scale"] = scale;
+        return out_lse[0];
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();  // q, k, v, out, lse
+        std::vector<at::Tensor> dqkv = ::backward(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+                                                  ctx->saved_data["causal"].toBool(),
+                                                  ctx->saved_data["scale"].toDouble());
+        return {dqkv[0], dqkv[1], dqkv[2], at::Tensor(), at::Tensor()};  // causal and scale take none
+    }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "nanoflash's CUDA FlashAttention-2 kernels (attention/cuda)";
     m.def("forward", &forward, "attention forward -> (out, lse)");
     m.def("backward", &backward, "attention backward -> (dq, dk, dv)");
+    m.def(
+        "attention",
+        [](const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal, double scale) {
+            return AttentionFunction::apply(q, k, v, causal, scale);
+        },
+        "an eager call: out, with its backward in one C++ autograd node");
+    m.def(
+        "kernel_layout", [](const at::Tensor &t) { return kernel_layout(t, "t"); },
+        "t as the kernels read it: t itself where they can, else a copy");
     m.def(
         "set_shared_memory_limit", [](int bytes) { shared_memory_limit = bytes; },
         "choose tiles as if the GPU had at most this much shared memory per block and per SM (0: its own)");
