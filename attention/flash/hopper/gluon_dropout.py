@@ -18,7 +18,8 @@ from triton.experimental.gluon import language as gl
 
 # A wgmma accumulator (4 warps of 16 rows) puts a row's bits 0-2 in lane bits 2-4, bit 3 in a register, bits 4-5 in
 # the warp; a column's bit 0 in a register, bits 1-2 in lane bits 0-1, the rest in registers. A patch grid keeps
-# each index bit where the accumulator has it, less the bits inside a patch.
+# each index bit where the accumulator has it, less the bits inside a patch, but for the one the backward's grid
+# moves (backward_patches).
 
 
 @triton.constexpr_function
