@@ -9,8 +9,8 @@ A thread of a wgmma accumulator holds rows {a, a + 8} of each 16 and columns {c,
 eight scores §16 draws together (rows {a, a + 8} by columns {c, c + 1, c + 8, c + 9}) the forward's thread holds all
 eight, so its draws run on a grid of patches laid out so (forward_patches), one draw per eight scores. In the
 backward's S^T (keys by queries) a thread holds two keys of each 16, c or c + 1 and 8 on: half of each patch, so it
-draws its patches (backward_patches) and keeps the half words of its keys, one draw per four scores. Either way the
-words move to their scores within each thread, never through shared memory.
+draws half the patches of its thread pair (backward_patches), one draw per eight scores as in the forward, and the
+values of the other half come from the other thread of the pair within the warp.
 """
 import triton
 from triton.experimental import gluon
@@ -18,7 +18,8 @@ from triton.experimental.gluon import language as gl
 
 # A wgmma accumulator (4 warps of 16 rows) puts a row's bits 0-2 in lane bits 2-4, bit 3 in a register, bits 4-5 in
 # the warp; a column's bit 0 in a register, bits 1-2 in lane bits 0-1, the rest in registers. A patch grid keeps
-# each index bit where the accumulator has it, less the bits inside a patch.
+# each index bit where the accumulator has it, less the bits inside a patch, but for the one the backward's grid
+# moves (backward_patches).
 
 
 @triton.constexpr_function
@@ -34,13 +35,15 @@ def forward_patches(rows, cols):
 
 @triton.constexpr_function
 def backward_patches(rows, cols):
-    """The layout of a (rows / 2, cols / 2) grid in acc_layout(cols) of S^T (keys by queries) in which each thread
-    holds, per key pair {k, k + 8} of its own and query pair {a, a + 8}, the patch they fall in: element (i, j) is
-    keys 16 * (i // 8) + i % 8 + {0, 8}, queries 16 * (j // 8) + j % 8 + {0, 8} (each index without its bit 3)."""
-    registers = [[0, 1]] + [[0, 1 << bit] for bit in range(3, (cols // 2).bit_length() - 1)]
-    lanes = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
-    warps = [[8, 0], [16, 0]]
-    return gl.DistributedLinearLayout(registers, lanes, warps, [], [rows // 2, cols // 2])
+    """The layout of a (rows / 4, cols / 2) grid of §16's patches in S^T (keys by queries), each drawn by one thread:
+    patch (i, j) covers keys 16 * (i // 4) + 2 * (i % 4) + {0, 1, 8, 9} and queries 16 * (j // 8) + j % 8 + {0, 8}.
+    In acc_layout(cols) the keys c and c + 1 of a patch lie in two threads (lane bit 2, the key's bit 0), which both
+    need its four words; here those two threads draw different patches, of queries a and a + 1 (lane bit 2 holds the
+    query's bit 0 instead), and the scores' values change threads afterwards, within the warp."""
+    registers = [[0, 1 << bit] for bit in range(3, (cols // 2).bit_length() - 1)]
+    lanes = [[0, 2], [0, 4], [0, 1], [1, 0], [2, 0]]
+    warps = [[4, 0], [8, 0]]
+    return gl.DistributedLinearLayout(registers, lanes, warps, [], [rows // 4, cols // 2])
 
 
 @gluon.jit
@@ -72,19 +75,20 @@ def keep_tile(like, seed, row0, first_query, first_key, n_cols, dropout_p, TRANS
     key count that the counters step by."""
     R: gl.constexpr = like.shape[0]
     C: gl.constexpr = like.shape[1]
-    if TRANSPOSED:  # (R / 2, C / 2): per key pair {k, k + 8} and query pair {a, a + 8}, its patch's words
+    if TRANSPOSED:  # (R / 4, C / 2): the patches, eight scores each, half of a thread pair's each
         patches: gl.constexpr = backward_patches(R, C)
-        i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
+        i = gl.arange(0, R // 4, layout=gl.SliceLayout(1, patches))
         j = gl.arange(0, C // 2, layout=gl.SliceLayout(0, patches))
-        k = first_key + (i // 8) * 16 + i % 8
-        a = first_query + (j // 8) * 16 + j % 8
-        counters = (row0 + a.to(gl.int64))[None, :] * n_cols + (k - k % 2)[:, None]
+        c = first_key + (i // 4) * 16 + (i % 4) * 2  # (R / 4,) the patches' first keys
+        a = first_query + (j // 8) * 16 + j % 8  # (C / 2,) and first queries
+        counters = (row0 + a.to(gl.int64))[None, :] * n_cols + c[:, None]
         w0, w1, w2, w3 = philox_seven(seed, counters)  # queries a, a + 8 by keys c, c + 8: 00, 01, 10, 11
-        shift = ((k % 2) * 16).to(gl.uint32)[:, None]  # the odd key's value is the high half
-        # (R / 2, C / 2, query half, key half): the words in S^T's order, key half then query half
-        values = gl.join(gl.join(w0 >> shift, w2 >> shift), gl.join(w1 >> shift, w3 >> shift)) & 0xFFFF
-        values = gl.reshape(values, [R // 16, 8, C // 16, 8, 2, 2])
-        values = gl.reshape(gl.permute(values, [0, 5, 1, 2, 4, 3]), [R, C])
+        # (R / 4, C / 2, key parity, key half, query half)
+        values = gl.join(gl.join(gl.join(w0 & 0xFFFF, w0 >> 16), gl.join(w1 & 0xFFFF, w1 >> 16)),
+                         gl.join(gl.join(w2 & 0xFFFF, w2 >> 16), gl.join(w3 & 0xFFFF, w3 >> 16)))
+        # key = 16 * . + 8 * (key half) + 2 * . + parity, query = 16 * . + 8 * (query half) + .
+        values = gl.reshape(values, [R // 16, 4, C // 16, 8, 2, 2, 2])
+        values = gl.reshape(gl.permute(values, [0, 5, 1, 4, 2, 6, 3]), [R, C])
     else:  # (R / 2, C / 4): the patches, eight scores each
         patches: gl.constexpr = forward_patches(R, C)
         i = gl.arange(0, R // 2, layout=gl.SliceLayout(1, patches))
