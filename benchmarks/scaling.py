@@ -4,22 +4,25 @@ machine, then the table (benchmarks/scaling_report.py).
     python -m benchmarks.scaling                                   # every GPU of this machine -> out/scaling/
     python -m benchmarks.scaling --gpus 4 --out_dir out/results/scaling/h100x4 --budget_s 540
     python -m benchmarks.scaling --tiny --gpus 2 --resume_check    # the CPU rehearsal: gloo, a tiny GPT, seconds
+    python -m benchmarks.scaling --gpus 2 --micro_steps 4 --ddp_only  # DDP as large batches run it: 4 micro-batches
     python -m benchmarks.scaling_report out/scaling                # redraw results.md from the runs' files
 
 With N GPUs (torch.cuda.device_count(), or --gpus) it runs train.py, each run in <out_dir>/<run>/, in this order:
 
     ddp1         1 GPU (a plain process), accumulating micro-batches to the global batch of N GPUs
-    single1      1 GPU, one micro-batch a step: each DDP rank's work per step, its update included, on one GPU
+    single1      1 GPU, a rank's micro-batches a step: each DDP rank's work per step, its update included
     ddp2..ddpN   DDP under torchrun at 2, 4, ... N GPUs, the same global batch (accumulation where n < N)
-    fsdpN        FSDP2 at N GPUs, the same model and batch: memory and tokens/s beside ddpN
+    fsdpN        FSDP2 at N GPUs, the same model and batch: memory and tokens/s beside ddpN (not with --ddp_only)
     large-fsdpN  the large model (48 layers, 2560 wide, 20 heads: 3.9B parameters) under FSDP2 at N GPUs, a few steps
     resume-ddpN/2  where N >= 4 (or with --resume_check): ddpN writes a checkpoint --resume_steps before its end, and
                  this run resumes it at N/2 GPUs to ddpN's last step; its losses are compared with ddpN's
 
-GPT-2 124M runs compiled with --attn=triton, 16 x 1024 tokens per GPU per step (the global batch N x 16 x 1024
-tokens: 1 GPU accumulates N micro-batches). The large model runs --large_batch_size sequences per micro-batch (4: its
-activations at 16 would not fit) with accumulation to the same 16 x 1024 tokens per GPU, uncompiled unless
---large_compile. No evaluation, samples or final checkpoints (--final_checkpoint=false): only timed steps.
+GPT-2 124M runs compiled with --attn=triton, 16 x 1024 tokens per GPU per micro-batch and --micro_steps (1)
+micro-batches per GPU per step: the global batch is N x micro_steps x 16 x 1024 tokens, 1 GPU accumulating N x
+micro_steps; DDP all-reduces on a step's last micro-batch only (nanoGPT's GPT-2 run takes 5 a GPU). The large model
+runs --large_batch_size sequences per micro-batch (4: its activations at 16 would not fit) with accumulation to the
+same tokens per GPU, uncompiled unless --large_compile. No evaluation, samples or final checkpoints
+(--final_checkpoint=false): only timed steps.
 
 Budget: one device call (the GPU runner gives a stage SECONDS_LEFT=560 s; --budget_s defaults to 540) holds the
 plan of 2 or of 4 GPUs, with cold caches (what each run took: docs/perf_notes.md section 13). Each run's limit is the
@@ -92,7 +95,8 @@ def plan(args) -> list[Run]:
     base = dict(TINY) if args.tiny else dict(attn="triton", compile=True, batch_size=16)
     seq_len = base.get("block_size", 1024)
     per_gpu_seqs = base["batch_size"]
-    global_batch = per_gpu_seqs * seq_len * n
+    micro = args.micro_steps
+    global_batch = per_gpu_seqs * seq_len * n * micro
     steps = dict(max_steps=args.steps, warmup_steps=min(10, args.steps))
     common = {**base, **EVERY_RUN, "total_batch_size": global_batch, "dist_timeout": args.dist_timeout}
     ddp_only = {} if args.ddp_reduce_dtype == "float32" else {"ddp_reduce_dtype": args.ddp_reduce_dtype}
@@ -102,20 +106,22 @@ def plan(args) -> list[Run]:
         settings = {**common, **steps, **ddp_only}
         if resume and g == n:  # its one checkpoint, resume_steps before the end; no checkpoint at the end
             settings["checkpoint_interval"] = args.steps - args.resume_steps
-        runs.append(Run(f"ddp{g}", "ddp", g, "ddp", per_gpu_seqs, n // g, settings))
+        runs.append(Run(f"ddp{g}", "ddp", g, "ddp", per_gpu_seqs, n // g * micro, settings))
         if g == 1:  # the same steps at one GPU's own batch: what a rank's step costs without the all-reduce
-            runs.append(Run("single1", "single", 1, "ddp", per_gpu_seqs, 1,
-                            {**settings, "total_batch_size": per_gpu_seqs * seq_len}))
-    runs.append(Run(f"fsdp{n}", "fsdp", n, "fsdp", per_gpu_seqs, 1, {**common, **steps, "parallel": "fsdp"}))
-    shape = TINY_LARGE_SHAPE if args.tiny else LARGE_SHAPE
-    large_batch = 1 if args.tiny else args.large_batch_size
-    runs.append(Run(f"large-fsdp{n}", "large", n, "fsdp", large_batch, per_gpu_seqs // large_batch,
-                    {**common, **shape, "batch_size": large_batch, "compile": args.large_compile and not args.tiny,
-                     "parallel": "fsdp", "max_steps": args.large_steps, "warmup_steps": min(10, args.large_steps)},
-                    shape=", ".join(f"{k} {v}" for k, v in shape.items())))
+            runs.append(Run("single1", "single", 1, "ddp", per_gpu_seqs, micro,
+                            {**settings, "total_batch_size": per_gpu_seqs * seq_len * micro}))
+    if not args.ddp_only:
+        runs.append(Run(f"fsdp{n}", "fsdp", n, "fsdp", per_gpu_seqs, micro, {**common, **steps, "parallel": "fsdp"}))
+        shape = TINY_LARGE_SHAPE if args.tiny else LARGE_SHAPE
+        large_batch = 1 if args.tiny else args.large_batch_size
+        runs.append(Run(f"large-fsdp{n}", "large", n, "fsdp", large_batch, per_gpu_seqs // large_batch * micro,
+                        {**common, **shape, "batch_size": large_batch,
+                         "compile": args.large_compile and not args.tiny, "parallel": "fsdp",
+                         "max_steps": args.large_steps, "warmup_steps": min(10, args.large_steps)},
+                        shape=", ".join(f"{k} {v}" for k, v in shape.items())))
     if resume:
         half = max(n // 2, 1)
-        runs.append(Run(f"resume-ddp{half}", "resume", half, "ddp", per_gpu_seqs, n // half,
+        runs.append(Run(f"resume-ddp{half}", "resume", half, "ddp", per_gpu_seqs, n // half * micro,
                         {**common, **steps, **ddp_only, "resume": True}, from_run=f"ddp{n}",
                         from_step=args.steps - args.resume_steps))
     for run in runs:
@@ -193,6 +199,9 @@ def parse_args(argv: list[str]):
     p.add_argument("--against", type=Path, help="another session's results.json (e.g. 2 GPUs'): its FSDP2 figures "
                                                  "beside these in the report (ignored if missing)")
     p.add_argument("--tiny", action="store_true", help="the CPU rehearsal: a tiny GPT on CPU processes (gloo)")
+    p.add_argument("--micro_steps", type=int, default=1,
+                   help="micro-batches each GPU accumulates per step (default 1: the all-reduce every micro-batch)")
+    p.add_argument("--ddp_only", action="store_true", help="only the DDP runs (no FSDP2, no large model)")
     p.add_argument("--ddp_reduce_dtype", choices=["float32", "bfloat16"], default="float32",
                    help="train.py's --ddp_reduce_dtype for the DDP runs (default float32)")
     args = p.parse_args(ours)
@@ -203,6 +212,8 @@ def parse_args(argv: list[str]):
         p.error(f"--gpus {args.gpus}: scaling needs at least 2 GPUs (torch sees {torch.cuda.device_count()})")
     if not 1 <= args.resume_steps <= args.steps // 2:
         p.error(f"--resume_steps must be from 1 to half of --steps ({args.steps // 2})")
+    if args.micro_steps < 1:
+        p.error(f"--micro_steps {args.micro_steps}: at least 1")
     if args.large_steps < 1 or 16 % args.large_batch_size:
         p.error("--large_steps must be at least 1 and --large_batch_size divide 16")
     args.out_dir = (args.out_dir or default_out_dir("scaling")).resolve()
@@ -214,8 +225,9 @@ def write_plan(args, runs: list[Run], env: dict) -> None:
     model = "tiny GPT, CPU, fp32, sdpa" if args.tiny else "GPT-2 124M, compiled, --attn=triton, bf16"
     write_json(args.out_dir / "plan.json", {
         "env": env, "gpus": args.gpus,
-        "settings": {"model": model, "per_gpu": f"{seqs} x {seq_len} tokens",
-                     "global_batch": seqs * seq_len * args.gpus,
+        "settings": {"model": model, "per_gpu": f"{seqs} x {seq_len} tokens" + (
+                         f" in each of {args.micro_steps} micro-batches" if args.micro_steps > 1 else ""),
+                     "global_batch": seqs * seq_len * args.gpus * args.micro_steps,
                      "steps": args.steps, "large_steps": args.large_steps, "budget_s": args.budget_s,
                      "train_args": args.train_args},
         "runs": [{k: v for k, v in asdict(run).items() if k not in ("settings", "extra")} for run in runs],

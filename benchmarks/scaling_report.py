@@ -8,8 +8,8 @@ or metrics.jsonl.gz) and writes results.json and results.md:
 
 - scaling: DDP at each number of GPUs n (n = 1 accumulates micro-batches to the same global batch): median tokens/s,
   tokens/s per GPU, scaling efficiency tokens/s(n) / (n * tokens/s(1)), and the train loss step by step minus the
-  1-GPU run's; beside it the efficiency against single1, one GPU taking one micro-batch a step: the same work per
-  GPU and step, so what separates the two is the update, which the accumulating GPU takes once per n micro-batches;
+  1-GPU run's; beside it the efficiency against single1, one GPU taking a rank's micro-batches a step: the same work
+  per GPU and step, so what separates the two is the update, which the accumulating GPU takes n times less often;
 - fsdp: FSDP2 beside DDP at the machine's N GPUs on the same model: tokens/s and per-GPU peak memory;
 - large: the large model under FSDP2 at N GPUs: tokens/s, per-GPU peak memory, and the bytes its weights, gradients
   and AdamW moments alone would take per GPU under DDP;
@@ -177,10 +177,12 @@ def markdown(summary: dict) -> str:
           fmt(row["last_loss_diff"]), fmt(row["peak_mem_gb"]), row["status"]] for row in summary["scaling"]])]
     single = next((run for run in summary["runs"].values() if run["kind"] == "single"), None)
     if single:
-        lines += [f"1 GPU's own step ({single['name']}: one micro-batch a step, the update every step, as each DDP "
+        micro = single["grad_accum"]
+        batches = "one micro-batch" if micro == 1 else f"{micro} micro-batches"
+        lines += [f"1 GPU's own step ({single['name']}: {batches} a step, the update every step, as each DDP "
                   f"rank takes them): {fmt(single['median_tokens_per_s'])} tokens/s, {single['status']}. Against it "
                   "the ranks lose only to the all-reduce; against the accumulating GPU also to the update, which it "
-                  "takes once per n micro-batches.", ""]
+                  "takes n times less often.", ""]
     if summary["fsdp"]:
         fsdp = summary["fsdp"]
         lines += [f"## FSDP2 beside DDP at {n} GPUs", "", markdown_table(

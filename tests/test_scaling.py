@@ -57,6 +57,22 @@ def test_the_plan_of_four_gpus_keeps_the_global_batch_and_resumes_at_two(tmp_pat
             "bfloat16" if run.parallel == "ddp" else None), run.name
 
 
+def test_micro_steps_accumulate_on_every_gpu_and_keep_the_one_gpu_runs_comparable(tmp_path):
+    # --micro_steps 4 at 2 GPUs: each rank accumulates 4 micro-batches a step (DDP syncs on the last), the
+    # accumulating GPU 8, single1 its own 4; the global batch grows with them
+    runs = scaling.plan(scaling.parse_args(["--gpus", "2", "--out_dir", str(tmp_path), "--micro_steps", "4"]))
+    assert [(r.name, r.gpus, r.grad_accum) for r in runs] == [
+        ("ddp1", 1, 8), ("single1", 1, 4), ("ddp2", 2, 4), ("fsdp2", 2, 4), ("large-fsdp2", 2, 16)]
+    for run in runs:
+        tokens = int(flags_of(scaling.command(run, tmp_path))["total_batch_size"])
+        assert tokens == (4 if run.name == "single1" else 8) * 16 * 1024, run.name
+        assert tokens == run.grad_accum * run.gpus * run.batch_size * 1024, run.name  # train.py's accumulation
+    with pytest.raises(SystemExit):
+        scaling.parse_args(["--gpus", "2", "--micro_steps", "0"])
+    ddp = scaling.plan(scaling.parse_args(["--gpus", "4", "--out_dir", str(tmp_path), "--ddp_only"]))
+    assert [r.name for r in ddp] == ["ddp1", "single1", "ddp2", "ddp4", "resume-ddp2"]
+
+
 def test_the_runner_refuses_fewer_than_two_gpus_and_a_resume_longer_than_half(capsys):
     with pytest.raises(SystemExit):
         scaling.parse_args(["--gpus", "1"])
