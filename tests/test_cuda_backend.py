@@ -1,13 +1,15 @@
 """backend="cuda": the CUDA C++ FlashAttention-2 kernels of attention/cuda.
 
 On the CPU (CI): the backend is registered, refuses a machine that cannot run or build it in one line naming what is
-missing, and `import attention` does not pull in the compiler tooling. On a GPU (marked gpu, skipped without one):
+missing, and `import attention` does not pull in the compiler tooling; where nvcc is installed, no kernel spills more
+than a few values to local memory (ptxas's report). On a GPU (marked gpu, skipped without one):
 the output and every gradient against float64 by the criterion of helpers.py, at ragged and odd lengths, Tq != Tk,
 GQA, both head dims, both dtypes, causal or not; the first call's build time is printed.
 """
 import ast
 import itertools
 import math
+import re
 import subprocess
 import sys
 
@@ -115,6 +117,28 @@ def test_importing_attention_needs_no_compiler():
             "assert not attention.cuda.build.build_seconds")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+SPILL_BUDGET = 128  # bytes of spill stores and loads a kernel may have (flash_backward.cu's comment: a few values)
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit); no GPU")
+def test_no_kernel_spills_more_than_a_few_values():
+    # ptxas's report (-Xptxas -v) for every kernel of both sources on sm_80 and sm_90, built as build.py builds them:
+    # the tiles are sized so that accumulators and fragments fit in 255 registers; a change that spills whole arrays
+    # to local memory (hundreds of bytes and more) runs several times slower long before a GPU test notices
+    builds = {(source, arch): subprocess.Popen(
+        [build.find_nvcc(), "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+         str(build.HERE / source), "-o", "/dev/null"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for source in ("flash_forward.cu", "flash_backward.cu") for arch in (80, 90)}
+    for (source, arch), proc in builds.items():
+        report = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, report
+        kernels = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
+                             report, flags=re.S)
+        assert len(kernels) >= 4, report
+        for name, stores, loads in kernels:
+            assert int(stores) + int(loads) <= SPILL_BUDGET, f"{source} sm_{arch} {name}: {stores} + {loads} bytes"
 
 
 def test_the_operators_shape_their_outputs_for_torch_compile():
