@@ -119,14 +119,13 @@ def test_importing_attention_needs_no_compiler():
     assert result.returncode == 0, result.stderr
 
 
-SPILL_BUDGET = 128  # bytes of spill stores and loads a kernel may have (flash_backward.cu's comment: a few values)
+SPILL_BUDGET = 128  # bytes of spill stores and loads a kernel may have: a few values (flash_backward.cu)
 
 
 @pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc (the CUDA toolkit); no GPU")
 def test_no_kernel_spills_more_than_a_few_values():
-    # ptxas's report (-Xptxas -v) for every kernel of both sources on sm_80 and sm_90, built as build.py builds them:
-    # the tiles are sized so that accumulators and fragments fit in 255 registers; a change that spills whole arrays
-    # to local memory (hundreds of bytes and more) runs several times slower long before a GPU test notices
+    # ptxas's report for every kernel, sm_80 and sm_90, built as build.py builds them: the tiles are sized to 255
+    # registers, and a change that spills whole arrays (hundreds of bytes and more) is slow before a GPU test fails
     builds = {(source, arch): subprocess.Popen(
         [build.find_nvcc(), "-c", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
          str(build.HERE / source), "-o", "/dev/null"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
