@@ -166,11 +166,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float, tile: 
     into row row_src[i] of dq_acc, a zeroed float32 (B*Hq*T, D) the caller reads (finish_dq); dq is None, k and v the
     problem's keys as forward takes them, and dk, dv (1, 1, Tk, D) their gradients as one flat sequence. term_args:
     as forward takes them, §15's (softcap, slopes, stride_slopes_b, stride_slopes_h), two unused (the sinks come
-    below) and §16's (dropout_p, seed), None for a term the call does not have. sink_rows: with sinks (Hq,) (not with softcap, and not gathered), float32 (B, Hq, Tq) that gets
-    each query row's sum of P dP, for their gradient (§15, terms.sink_grad). -> Launched: the compiled main kernel and
-    again(do, q, k, v, o, lse, dq, dk, dv, scale, *term values, documents=None), the same three launches for tensors
-    shaped, strided and aligned like these (None for a gathered problem); the term values are
-    forward.term_values(term_args)'s, then sink_rows and sinks where the call has them."""
+    below) and §16's (dropout_p, seed), None for a term the call does not have. sink_rows: with sinks (Hq,) (not
+    with softcap, and not gathered), float32 (B, Hq, Tq) that gets each query row's sum of P dP, for their gradient
+    (§15, terms.sink_grad). -> Launched: the compiled main kernel and again(do, q, k, v, o, lse, dq, dk, dv, scale,
+    *term values, documents=None), the same three launches for tensors shaped, strided and aligned like these (None
+    for a gathered problem); the term values are forward.term_values(term_args)'s, then sink_rows and sinks where the
+    call has them."""
     B, Hq, T, D = q.shape
     row_src, given_dq_acc = gathered or (None, None)
     Hkv, Tk, key_sizes = key_problem(k, row_src is not None, KEY_BLOCK.value)
