@@ -227,7 +227,7 @@ def write_plan(args, runs: list[Run], env: dict) -> None:
         "env": env, "gpus": args.gpus,
         "settings": {"model": model, "per_gpu": f"{seqs} x {seq_len} tokens" + (
                          f" in each of {args.micro_steps} micro-batches" if args.micro_steps > 1 else ""),
-                     "global_batch": seqs * seq_len * args.gpus * args.micro_steps,
+                     "global_batch": runs[0].settings["total_batch_size"],  # ddp1's: every n's
                      "steps": args.steps, "large_steps": args.large_steps, "budget_s": args.budget_s,
                      "train_args": args.train_args},
         "runs": [{k: v for k, v in asdict(run).items() if k not in ("settings", "extra")} for run in runs],
