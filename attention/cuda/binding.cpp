@@ -2,10 +2,13 @@
 // assume, allocates the outputs, fills AttentionParams and launches on the current stream. forward and backward are
 // the operators' implementations (attention/cuda/__init__.py: torch.ops.nanoflash.cuda_attention_*, which
 // torch.compile keeps in its graphs); `attention` is an eager call's whole path, forward and backward in one C++
-// autograd node, with no Python between the autograd engine and the kernels.
-#include <c10/cuda/CUDAStream.h>
+// autograd node, with no Python between the autograd engine and the kernels. It includes what it uses, not
+// torch/extension.h (all of libtorch's C++ API): the first call's build waits for this file to compile.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>  // torch::autograd::Function
+#include <torch/csrc/utils/pybind.h>              // PYBIND11_MODULE and at::Tensor's conversions
 
 #include "flash_params.h"
 

@@ -25,16 +25,18 @@ namespace {
 // the pace; the forward's two row tiles, same reason):
 //   S^T = K Q^T and dP^T = V dO^T: warp (w % 4, w / 4) takes keys 32 (w % 4) ... + 31 by half the step's queries;
 //   P^T and dS^T go to shared memory, since the next products split the work another way;
-//   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by all of D, for dV where w < 4 and
-//   for dK else: D floats a thread, as both halves of D for both would take, with fewer fragment reads (a P^T or
-//   dS^T fragment, not both, beside all of D's dO or Q fragments, each feeding two products);
+//   dV += P^T dO and dK += dS^T Q: warp (w % 4, w / 4) takes the same 32 keys by all of D for dV where w < 4 and
+//   for dK else (D = 64: one P^T or dS^T fragment a k-step, not both), or by half of D for both (D = 128, where all
+//   of D spills): D floats a thread either way;
 //   dQ += dS K: warp w a block of 32 queries (two mma row tiles, as above) by DQ_COLS of D's columns.
-// Registers: D for dK or dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
-// four parked in local memory at the larger steps, read once a step. Shared memory: K and V (2 x 128 x D), Q and dO
-// in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and Delta:
-// at D = 128 161 KiB with 64 queries double buffered (sm_80, sm_90), else 112.5 KiB with 32, or 96.3 KiB single
-// buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries, else 97 KiB with 64. Fewer, larger steps pay
-// each step's barriers and bookkeeping less often, and each K and V fragment feeds twice the products.
+// Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
+// three parked in local memory at D = 64's 128-query steps, read once a step. Shared memory: K and V (2 x 128 x D), Q
+// and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and
+// Delta: at D = 128 194 KiB with 64 queries triple buffered (sm_90), 161 KiB double buffered (sm_80), else 112.5 KiB
+// with 32, or 96.3 KiB single buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries double buffered
+// (triple, 195 KiB, fits sm_90 but runs slower there), else 97 KiB with 64. Fewer, larger steps pay each step's
+// barriers and bookkeeping less often, and each K and V fragment feeds twice the products; a third buffer lets a
+// step's copies take two steps' time to land.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
 template <int D, int BM, int STAGES>
@@ -42,25 +44,173 @@ constexpr int backward_smem_bytes() {
     return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4;
 }
 
-// acc += A B^T, D deep (§5 with keys as rows: S^T = K Q^T or dP^T = V dO^T): the warp's 32 keys (two mma row tiles)
-// of the K or V tile, whose first block's lane address is a_rows, by HALF_M queries of the Q or dO tile, from b_cols.
-// Each B fragment feeds both key tiles. Unrolled whole: the next k-step's fragments load while this one's products
+// acc += A B, K deep: the warp's two mma row tiles (32 rows of A) by N columns of B, every fragment read from shared
+// memory, each B fragment feeding both row tiles. A's block (row r, column c) is block_at<A_W>(a, r, c), or, with
+// A_T, stored transposed (block_at<A_W>(a, c, r), read with .trans); B is stored n x k (block_at<B_W>(b, n, k)), or,
+// with B_T, k x n (read with .trans). Unrolled whole: the next k-step's fragments load while this one's products
 // run, which two warps a scheduler cannot otherwise hide (no spill on sm_90 since the row-bound masks, -Xptxas -v).
-template <typename T, int D, int HALF_M>
-__device__ __forceinline__ void keys_by_queries(float (&acc)[2][HALF_M / 8][4], uint32_t a_rows, uint32_t b_cols) {
+template <typename T, int K, int N, int A_W, bool A_T, int B_W, bool B_T>
+__device__ __forceinline__ void warp_product(float (&acc)[2][N / 8][4], uint32_t a, uint32_t b) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[2][4];
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t af[2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], block_at<D>(a_rows, mt * 16, kk * 16));
+        for (int mt = 0; mt < 2; ++mt) {
+            if constexpr (A_T) ldmatrix_x4_trans(af[mt], block_at<A_W>(a, kk * 16, mt * 16));
+            else ldmatrix_x4(af[mt], block_at<A_W>(a, mt * 16, kk * 16));
+        }
 #pragma unroll
-        for (int nb = 0; nb < HALF_M / 16; ++nb) {
-            uint32_t b[4];
-            ldmatrix_x4(b, block_at<D>(b_cols, nb * 16, kk * 16));
+        for (int nb = 0; nb < N / 16; ++nb) {
+            uint32_t bf[4];
+            if constexpr (B_T) ldmatrix_x4_trans(bf, block_at<B_W>(b, kk * 16, nb * 16));
+            else ldmatrix_x4(bf, block_at<B_W>(b, nb * 16, kk * 16));
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(acc[mt][2 * nb], acc[mt][2 * nb + 1], a[mt], b);
+            for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(acc[mt][2 * nb], acc[mt][2 * nb + 1], af[mt], bf);
         }
     }
+}
+
+// §5 with keys as rows: S^T = K Q^T or dP^T = V dO^T, D deep: the warp's 32 keys of the K or V tile (a_rows) by
+// HALF_M queries of the Q or dO tile (b_cols)
+template <typename T, int D, int HALF_M>
+__device__ __forceinline__ void keys_by_queries(float (&acc)[2][HALF_M / 8][4], uint32_t a_rows, uint32_t b_cols) {
+    warp_product<T, D, HALF_M, D, false, D, false>(acc, a_rows, b_cols);
+}
+
+// §4: P^T = exp2(S^T * scale * log2(e) - lse), in place. Element e of fragment (mt, nb) of a warp's keys-by-queries
+// tile is key mt * 16 + g + 8 (e / 2), query nb * 8 + 2t + e % 2 of the warp's (the C layout, flash_common.cuh); lse
+// holds the step's rows in base 2 (§8) from the warp's first query
+template <int HALF_M>
+__device__ __forceinline__ void probabilities(float (&st)[2][HALF_M / 8][4], const float *lse, float scale_log2,
+                                              int t) {
+#pragma unroll
+    for (int nb = 0; nb < HALF_M / 8; ++nb) {
+        const float2 row_lse = *reinterpret_cast<const float2 *>(lse + nb * 8 + 2 * t);  // queries 2t and 2t + 1
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -(e % 2 ? row_lse.y : row_lse.x)));
+    }
+}
+
+// §6: P^T = 0 where the query does not see the key. key: the thread's first key (row g of the warp's first tile),
+// query: its first query column (2t of the warp's first)
+template <int HALF_M>
+__device__ __forceinline__ void hide_unseen(float (&pt)[2][HALF_M / 8][4], int key, int query, int Tq, int Tk,
+                                            bool causal) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // the thread's key rows: tile r / 2, row g + 8 (r % 2) in it
+        // the row's first visible query, counted from the thread's first query column
+        const int first = first_visible_query(key + (r / 2) * 16 + 8 * (r % 2), Tq, Tk, causal) - query;
+#pragma unroll
+        for (int nb = 0; nb < HALF_M / 8; ++nb)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (nb * 8 + e < first) pt[r / 2][nb][2 * (r % 2) + e] = 0.f;
+    }
+}
+
+// A fragment row's two elements, packed in the inputs' dtype (§8), to a keys x queries tile in shared memory (P^T or
+// dS^T); element: the byte offset of the lane's first element (block_at's)
+template <typename T, int BM>
+__device__ __forceinline__ void store_pair(T *tile, uint32_t element, int mt, int nb, int r, float lo, float hi) {
+    const uint32_t at = block_at<BM>(element, mt * 16 + 8 * r, nb * 8);
+    *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(tile) + at) = Element<T>::pack(lo, hi);
+}
+
+// P^T, the warp's tile, to shared memory (for dV's product)
+template <typename T, int BM, int HALF_M>
+__device__ __forceinline__ void store_p(T *s_pt, uint32_t element, const float (&pt)[2][HALF_M / 8][4]) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < HALF_M / 8; ++nb)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                store_pair<T, BM>(s_pt, element, mt, nb, r, pt[mt][nb][2 * r], pt[mt][nb][2 * r + 1]);
+}
+
+// §5: dS^T = P^T o (dP^T - Delta) to shared memory, for dK's and dQ's products; delta from the warp's first query
+template <typename T, int BM, int HALF_M>
+__device__ __forceinline__ void store_ds(T *s_dst, uint32_t element, const float (&pt)[2][HALF_M / 8][4],
+                                         const float (&dpt)[2][HALF_M / 8][4], const float *delta, int t) {
+#pragma unroll
+    for (int nb = 0; nb < HALF_M / 8; ++nb) {
+        const float2 row_delta = *reinterpret_cast<const float2 *>(delta + nb * 8 + 2 * t);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[e] = pt[mt][nb][e] * (dpt[mt][nb][e] - (e % 2 ? row_delta.y : row_delta.x));
+#pragma unroll
+            for (int r = 0; r < 2; ++r) store_pair<T, BM>(s_dst, element, mt, nb, r, ds[2 * r], ds[2 * r + 1]);
+        }
+    }
+}
+
+// §5 dV += P^T dO and dK += dS^T Q, the warp's share (the scale comes once, at the store): 32 keys x COLS of each of
+// its PRODUCTS. P^T or dS^T (keys x queries, from a_rows) is the A operand, dO or Q (queries x D, k x n, rows from
+// b_row of b_rows) read with .trans the B operand, each of its fragments feeding both key tiles. One loop for both
+// products, their k-steps interleaved, not warp_product once each: that form runs slower at D = 128 (perf_notes §14)
+template <typename T, int D, int BM, int PRODUCTS, int COLS>
+__device__ __forceinline__ void add_dkv(float (&dkv)[PRODUCTS][2][COLS / 8][4], const uint32_t (&a_rows)[PRODUCTS],
+                                        const uint32_t (&b_rows)[PRODUCTS], int b_row) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t a[PRODUCTS][2][4];
+#pragma unroll
+        for (int i = 0; i < PRODUCTS; ++i)
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[i][mt], block_at<BM>(a_rows[i], mt * 16, kk * 16));
+#pragma unroll
+        for (int dn = 0; dn < COLS / 16; ++dn)
+#pragma unroll
+            for (int i = 0; i < PRODUCTS; ++i) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, block_at<D>(b_rows[i], b_row + kk * 16, dn * 16));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(dkv[i][mt][2 * dn], dkv[i][mt][2 * dn + 1], a[i][mt], b);
+            }
+    }
+}
+
+// The warp's 32 x DQ_COLS of dQ (dq: the C layout, flash_common.cuh) added into the float32 buffer's rows from dq_row
+// (the thread's first, row g of the warp's) by atomics (see the top of this file); with RAGGED only those below
+// rows_left, each row behind a branch
+template <int D, int DQ_COLS, bool RAGGED>
+__device__ __forceinline__ void add_dq_rows(float *dq_row, int rows_left, const float (&dq)[2][DQ_COLS / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
+        const int row = (r / 2) * 16 + 8 * (r % 2);
+        if (RAGGED && row >= rows_left) continue;
+        float *dq_accum = dq_row + row * D;
+        const float(&acc)[DQ_COLS / 8][4] = dq[r / 2];
+#pragma unroll
+        for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+            const float lo = acc[dn][2 * (r % 2)], hi = acc[dn][2 * (r % 2) + 1];
+#if __CUDA_ARCH__ >= 900  // a pair of floats in one vector atomic: a row's 4 threads fill a 32-byte sector
+            atomicAdd(reinterpret_cast<float2 *>(dq_accum + dn * 8), make_float2(lo, hi));
+#else
+            atomicAdd(dq_accum + dn * 8, lo);
+            atomicAdd(dq_accum + dn * 8 + 1, hi);
+#endif
+        }
+    }
+}
+
+// §5 dQ += dS K, 32 queries x DQ_COLS: A = dS = (dS^T)^T read with .trans from the keys x queries tile (ds_rows), B =
+// K (keys x D, k_cols) with .trans; each K fragment feeds both row tiles (4 fragment reads per 8 products at the
+// large steps, where 16 rows by twice the columns took 5); then added to dQ's buffer, rows_left rows at most. At
+// D = 128 a warp whose 32 rows all exist skips the row tests, so its atomics share one address register (the tested
+// form, short of registers, rebuilt it each row); at D = 64 that runs slower (perf_notes §14)
+template <typename T, int D, int BM, int DQ_COLS>
+__device__ __forceinline__ void add_dq(float *dq_row, int rows_left, uint32_t ds_rows, uint32_t k_cols) {
+    float dq[2][DQ_COLS / 8][4] = {};
+    warp_product<T, BWD_BLOCK_N, DQ_COLS, BM, true, D, true>(dq, ds_rows, k_cols);
+    if constexpr (D == 128)
+        if (rows_left >= 32) return add_dq_rows<D, DQ_COLS, false>(dq_row, rows_left, dq);
+    add_dq_rows<D, DQ_COLS, true>(dq_row, rows_left, dq);
 }
 
 // §5 Delta_i = sum_d dO_id O_id (= rowsum(P o dP)): D / 8 adjacent threads per query row, each reading 8 columns of
@@ -108,7 +258,6 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int key0 = (warp % 4) * 32;  // the warp's 32 keys in the block: two mma row tiles
     const int query0 = (warp / 4) * HALF_M;  // its half of the queries
-    const bool accumulates_dv = warp < 4;     // its product: dV += P^T dO, else dK += dS^T Q
     const int n0 = blockIdx.x * BN;
     const int b = blockIdx.y / p.heads_kv, h_kv = blockIdx.y % p.heads_kv;
     const int group = p.heads_q / p.heads_kv;  // §7: query heads h_kv * G ... h_kv * G + G - 1 read this kv head
@@ -127,8 +276,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 
     // A step's query head and first row: the query tiles of one head, then of the next (§7), stepped by adds, not
     // worked out from the step's index (a division by m_tiles each time). issue: the asynchronous loads of the step's
-    // Q and dO tiles, and of its rows' lse (§4) and Delta (§5), into buffer buf: all of them arrive while the previous
-    // step computes.
+    // Q and dO tiles, and of its rows' lse (§4) and Delta (§5), into buffer buf: all of them arrive while earlier
+    // steps compute.
     struct Step {
         int head, m0;
     };
@@ -150,9 +299,20 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     Step at{h_kv * group, m_first};
     if (steps > 0) issue(at, 0);
     cp_async_commit();  // K, V and the first Q, dO tiles: one copy group
+    if (STAGES == 3) {  // and the second step's: with three buffers two steps' copies are in flight
+        if (steps > 1) issue(next(at), 1);
+        cp_async_commit();
+    }
 
-    float dkv[2][D / 8][4] = {};  // the warp's 32 keys x D of dV or dK
-    const float scale_log2 = p.scale * LOG2E;                   // §8 exp2
+    // The warp's share of dV += P^T dO and dK += dS^T Q: at D = 64 one of them over all of D (dV in warps 0-3, dK in
+    // 4-7), so each k-step reads one A fragment, not two; at D = 128 both over half of D (w / 4), since one over all
+    // of D spills there (nvcc -Xptxas -v) and runs slower (docs/perf_notes.md §14). COLS: a product's columns.
+    constexpr bool ONE_PRODUCT = D == 64;
+    constexpr int PRODUCTS = ONE_PRODUCT ? 1 : 2, COLS = D / PRODUCTS;
+    auto is_dv = [&](int i) { return ONE_PRODUCT ? warp < 4 : i == 0; };  // the warp's product i: dV, else dK
+    const int col0 = ONE_PRODUCT ? 0 : (warp / 4) * COLS;
+    float dkv[PRODUCTS][2][COLS / 8][4] = {};  // the warp's 32 keys x COLS of each product
+    const float scale_log2 = p.scale * LOG2E;  // §8 exp2
 
     // dQ: warp w computes query rows (w % ROW_BLOCKS) * 32 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
     constexpr int ROW_BLOCKS = BM / 32, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
@@ -163,23 +323,30 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     const uint32_t k_rows = a_pattern<D>(s_k, key0, 0, lane), v_rows = a_pattern<D>(s_v, key0, 0, lane);
     const uint32_t q_cols = b_pattern<D>(s_q, query0, 0, lane), do_cols = b_pattern<D>(s_do, query0, 0, lane);
     const uint32_t pt_rows = a_pattern<BM>(s_pt, key0, 0, lane), dst_rows = a_pattern<BM>(s_dst, key0, 0, lane);
-    const uint32_t dkv_a = accumulates_dv ? pt_rows : dst_rows;  // P^T or dS^T, the warp's keys
-    const uint32_t dkv_b = a_pattern<D>(accumulates_dv ? s_do : s_q, 0, 0, lane);  // dO or Q
+    uint32_t dkv_a[PRODUCTS], dkv_b[PRODUCTS];  // a product's P^T or dS^T (the warp's keys), and dO or Q (its columns)
+#pragma unroll
+    for (int i = 0; i < PRODUCTS; ++i) {
+        dkv_a[i] = is_dv(i) ? pt_rows : dst_rows;
+        dkv_b[i] = a_pattern<D>(is_dv(i) ? s_do : s_q, 0, col0, lane);
+    }
     const uint32_t ds_rows = b_pattern<BM>(s_dst, 0, dq_row, lane), k_cols = a_pattern<D>(s_k, 0, dq_col, lane);
     const uint32_t p_element = swizzle<BM>(key0 + g, query0 + 2 * t) * sizeof(T);
 
     for (int step = 0; step < steps; ++step, at = next(at)) {
-        const int buf = STAGES == 2 ? step & 1 : 0, m0 = at.m0;
+        const int buf = step % STAGES, m0 = at.m0;
         const int64_t row_base = rows_of(at);  // of dq_accum's rows
-        cp_async_wait<0>();  // the step's copies, issued while the previous step computed
+        // the step's copies, issued while an earlier step computed (with three buffers the next step's may be owed)
+        cp_async_wait<STAGES == 3 ? 1 : 0>();
         // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
         // every thread's copies are visible, and every warp is done with the previous step: its buffer, P^T and dS^T
         __syncthreads();
-        // double buffering (the num_stages = 2 of §9): the next step's copies into the other buffer, which the barrier
-        // above freed, run while this step computes; with one buffer they are issued at the end of the step
-        if (STAGES == 2 && step + 1 < steps) {
-            issue(next(at), buf ^ 1);
+        // multiple buffering (the num_stages of §9): the copies of the step STAGES - 1 ahead go into the buffer the
+        // barrier above freed (the previous step's) and run while the steps before it compute; a group is committed
+        // even when empty, since the waits count groups. With one buffer they go at the end of the step
+        if (STAGES >= 2) {
+            const int free_buf = buf > 0 ? buf - 1 : STAGES - 1;
+            if (step + STAGES - 1 < steps) issue(STAGES == 3 ? next(next(at)) : next(at), free_buf);
             cp_async_commit();
         }
         const float *lse = s_lse + buf * BM, *delta = s_delta + buf * BM;
@@ -195,115 +362,22 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         if (dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
         keys_by_queries<T, D, HALF_M>(st, k_rows, q_step);
 
-        // §4: P^T = exp2(S^T * scale * log2(e) - lse), in place of S^T; §6: masked only where the tiles straddle the
-        // diagonal or the key tile is ragged, so the other steps skip the visibility tests. Element e of fragment
-        // (mt, nb) is key key0 + mt * 16 + g + 8 (e / 2), query query0 + nb * 8 + 2t + e % 2 (the C layout,
-        // flash_common.cuh). To shared memory in the inputs' dtype (§8), for dV's product.
-#pragma unroll
-        for (int nb = 0; nb < HALF_M / 8; ++nb) {
-            // the lse of the thread's queries 2t and 2t + 1 of the block
-            const float2 row_lse = *reinterpret_cast<const float2 *>(lse + query0 + nb * 8 + 2 * t);
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    st[mt][nb][e] = fast_exp2(fmaf(st[mt][nb][e], scale_log2, -(e % 2 ? row_lse.y : row_lse.x)));
-        }
-        if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift)) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {  // the thread's key rows: tile r / 2, row g + 8 (r % 2) in it
-                // the row's first visible query, counted from the thread's first query column (m0 + query0 + 2t)
-                const int key = n0 + key0 + (r / 2) * 16 + g + 8 * (r % 2);
-                const int first = first_visible_query(key, Tq, Tk, p.causal) - m0 - query0 - 2 * t;
-#pragma unroll
-                for (int nb = 0; nb < HALF_M / 8; ++nb)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (nb * 8 + e < first) st[r / 2][nb][2 * (r % 2) + e] = 0.f;
-            }
-        }
-        // a fragment row's two elements, packed, to P^T or dS^T (byte offset block_at's)
-        auto store_pair = [&](T *tile, int mt, int nb, int r, float lo, float hi) {
-            const uint32_t at = block_at<BM>(p_element, mt * 16 + 8 * r, nb * 8);
-            *reinterpret_cast<uint32_t *>(reinterpret_cast<unsigned char *>(tile) + at) = E::pack(lo, hi);
-        };
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int nb = 0; nb < HALF_M / 8; ++nb)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) store_pair(s_pt, mt, nb, r, st[mt][nb][2 * r], st[mt][nb][2 * r + 1]);
-
+        // §4 P^T from S^T, in place; §6 masked only where the tiles straddle the diagonal or the key tile is ragged,
+        // so the other steps skip the visibility tests
+        probabilities<HALF_M>(st, lse + query0, scale_log2, t);
+        if (n0 + BN > Tk || (p.causal && n0 + BN - 1 > m0 + shift))
+            hide_unseen<HALF_M>(st, n0 + key0 + g, m0 + query0 + 2 * t, Tq, Tk, p.causal);
+        store_p<T, BM, HALF_M>(s_pt, p_element, st);
         if (!dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
+        store_ds<T, BM, HALF_M>(s_dst, p_element, st, dpt, delta + query0, t);
+        __syncthreads();  // P^T and dS^T are whole
 
-        // §5: dS^T = P^T o (dP^T - Delta), to shared memory for dK's and dQ's products
-#pragma unroll
-        for (int nb = 0; nb < HALF_M / 8; ++nb) {
-            const float2 row_delta = *reinterpret_cast<const float2 *>(delta + query0 + nb * 8 + 2 * t);
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                float ds[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    ds[e] = st[mt][nb][e] * (dpt[mt][nb][e] - (e % 2 ? row_delta.y : row_delta.x));
-#pragma unroll
-                for (int r = 0; r < 2; ++r) store_pair(s_dst, mt, nb, r, ds[2 * r], ds[2 * r + 1]);
-            }
-        }
-        __syncthreads();
-
-        // §5 dV += P^T dO or dK += dS^T Q (the scale comes once, at the store): the warp's 32 keys x D; P^T or dS^T
-        // (keys x queries) is the A operand, dO or Q (queries x D, k x n) read with .trans the B operand, each of its
-        // fragments feeding both key tiles
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk) {
-            uint32_t a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], block_at<BM>(dkv_a, mt * 16, kk * 16));
-#pragma unroll
-            for (int dn = 0; dn < D / 16; ++dn) {
-                uint32_t bt[4];
-                ldmatrix_x4_trans(bt, block_at<D>(dkv_b, buf * BM + kk * 16, dn * 16));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(dkv[mt][2 * dn], dkv[mt][2 * dn + 1], a[mt], bt);
-            }
-        }
-
-        // §5 dQ += dS K: A = dS = (dS^T)^T read with .trans from the keys x queries tile, B = K (keys x D) with
-        // .trans; the 32 x DQ_COLS result is added into the float32 buffer (atomics: see the top of this file). Each K
-        // fragment feeds both row tiles: 4 fragment reads per 8 products at the large steps, where 16 rows by twice
-        // the columns took 5
-        float dq[2][DQ_COLS / 8][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            uint32_t a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) ldmatrix_x4_trans(a[mt], block_at<BM>(ds_rows, kk * 16, mt * 16));
-#pragma unroll
-            for (int dn = 0; dn < DQ_COLS / 16; ++dn) {
-                uint32_t bk[4];
-                ldmatrix_x4_trans(bk, block_at<D>(k_cols, kk * 16, dn * 16));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) mma_16x16<T>(dq[mt][2 * dn], dq[mt][2 * dn + 1], a[mt], bk);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
-            const int row = m0 + dq_row + (r / 2) * 16 + g + 8 * (r % 2);
-            if (row >= Tq) continue;
-            float *dq_accum = p.dq_accum + (row_base + row) * D + dq_col + 2 * t;
-            const float(&acc)[DQ_COLS / 8][4] = dq[r / 2];
-#pragma unroll
-            for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
-                const float lo = acc[dn][2 * (r % 2)], hi = acc[dn][2 * (r % 2) + 1];
-#if __CUDA_ARCH__ >= 900  // a pair of floats in one vector atomic: a row's 4 threads fill a 32-byte sector
-                atomicAdd(reinterpret_cast<float2 *>(dq_accum + dn * 8), make_float2(lo, hi));
-#else
-                atomicAdd(dq_accum + dn * 8, lo);
-                atomicAdd(dq_accum + dn * 8 + 1, hi);
-#endif
-            }
-        }
+        // §5 the warp's share of dV += P^T dO and dK += dS^T Q, dO and Q from the step's buffer; then dQ += dS K
+        // into the float32 buffer's rows from the thread's first (dq_first), those below Tq
+        add_dkv<T, D, BM, PRODUCTS, COLS>(dkv, dkv_a, dkv_b, buf * BM);
+        const int dq_first = m0 + dq_row + g;
+        add_dq<T, D, BM, DQ_COLS>(p.dq_accum + (row_base + dq_first) * D + dq_col + 2 * t, Tq - dq_first, ds_rows,
+                                  k_cols);
         if (STAGES == 1 && step + 1 < steps) {
             __syncthreads();  // every warp is done with the one buffer
             issue(next(at), 0);
@@ -312,20 +386,23 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     }
     cp_async_wait<0>();  // no step: K and V's copies are still owed
 
-    // dV, or dK = scale * dS^T Q (§5), summed over the group's query heads (§7), for keys < Tk
-    const Strides out_stride = accumulates_dv ? p.dv_stride : p.dk_stride;
-    T *dkv_out = static_cast<T *>(accumulates_dv ? p.dv : p.dk) + b * out_stride.batch + h_kv * out_stride.head;
-    const float out_scale = accumulates_dv ? 1.f : p.scale;
+    // dV and dK = scale * dS^T Q (§5), the warp's share, summed over the group's query heads (§7), for keys < Tk
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int i = 0; i < PRODUCTS; ++i) {
+        const Strides out_stride = is_dv(i) ? p.dv_stride : p.dk_stride;
+        T *out = static_cast<T *>(is_dv(i) ? p.dv : p.dk) + b * out_stride.batch + h_kv * out_stride.head + col0;
+        const float out_scale = is_dv(i) ? 1.f : p.scale;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = n0 + key0 + mt * 16 + g + 8 * r;
-            if (key >= Tk) continue;
+        for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn)
-                *reinterpret_cast<uint32_t *>(dkv_out + key * out_stride.row + dn * 8 + 2 * t) =
-                    E::pack(dkv[mt][dn][2 * r] * out_scale, dkv[mt][dn][2 * r + 1] * out_scale);
+            for (int r = 0; r < 2; ++r) {
+                const int key = n0 + key0 + mt * 16 + g + 8 * r;
+                if (key >= Tk) continue;
+#pragma unroll
+                for (int dn = 0; dn < COLS / 8; ++dn)
+                    *reinterpret_cast<uint32_t *>(out + key * out_stride.row + dn * 8 + 2 * t) =
+                        E::pack(dkv[i][mt][dn][2 * r] * out_scale, dkv[i][mt][dn][2 * r + 1] * out_scale);
+            }
         }
     }
 }
@@ -362,11 +439,14 @@ cudaError_t launch_backward(const AttentionParams &p) {
     constexpr int ROWS_PER_BLOCK = 128 / (D / 8);
     delta_kernel<T, D><<<static_cast<unsigned>((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), 128, 0, p.stream>>>(p);
 
-    // the largest query step a block's shared memory holds (the device's opt-in maximum): 128 queries at D = 64 or 64
-    // at D = 128 with Q and dO double buffered, then 64 or 32 double buffered, then single buffered
+    // the largest query step a block's shared memory holds (the device's opt-in maximum): 64 queries at D = 128 with Q
+    // and dO triple buffered (sm_90), then double buffered, or 128 at D = 64 double buffered (a third buffer runs
+    // slower there); then 32 or 64 double buffered; then single buffered
     const int smem_max = shared_memory(p).per_block;
-    constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64;
-    cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, 2>()   ? launch_key_tiles<T, D, LARGE, 2>(p)
+    constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64, LARGE_STAGES = D == 128 ? 3 : 2;
+    cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, LARGE_STAGES>()
+                          ? launch_key_tiles<T, D, LARGE, LARGE_STAGES>(p)
+                      : smem_max >= backward_smem_bytes<D, LARGE, 2>() ? launch_key_tiles<T, D, LARGE, 2>(p)
                       : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)
                                                                         : launch_key_tiles<T, D, SMALL, 1>(p);
     if (err != cudaSuccess) return err;
