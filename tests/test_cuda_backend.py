@@ -220,7 +220,8 @@ def test_scores_that_rise_along_the_keys(rise, D, causal):
 def test_the_tiles_of_gpus_with_less_shared_memory(limit_kib, D):
     # the tiles other GPUs get, on this one: 100 KiB per SM and block (sm_86/89) makes the forward take 32-key tiles
     # at D = 128 and the backward 32-query steps with Q and dO single-buffered (64-query double-buffered at D = 64);
-    # 128 KiB double-buffers the 32-query steps; 164 KiB (sm_80) keeps the large steps but not the 64-key forward
+    # 128 KiB double-buffers the 32-query steps; 164 KiB (sm_80) keeps the large steps but not the 64-key forward.
+    # Each limit also takes dQ by atomics, where the other tests on sm_90 take the bulk reductions (flash_backward.cu)
     torch.manual_seed(0)
     with shared_memory_limit(limit_kib * 1024):
         assert_matches_fp64(*qkv(2, 4, 2, 203, 203, D, torch.bfloat16, device="cuda"), causal=True, backend="cuda")

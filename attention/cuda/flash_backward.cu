@@ -3,14 +3,16 @@
 //   1. delta_kernel: Delta = rowsum(dO * O) per query row (§5), float32, and the row's dQ buffer zeroed;
 //   2. backward_kernel: one thread block per (key tile, batch, kv head) holds its K and V tile in shared memory and
 //      walks the query tiles of every query head of its group (§7), recomputing P from lse (§4); it accumulates dK
-//      and dV in registers and adds each tile's dQ share into a float32 buffer with atomics;
+//      and dV in registers and adds each step's dQ share into a float32 buffer;
 //   3. dq_kernel: dQ = scale * that buffer, cast to the inputs' dtype.
 //
-// dQ by atomics, not by a separate pass: the block that holds a key tile already has dS for it, so dQ costs it one
+// dQ by additions, not by a separate pass: the block that holds a key tile already has dS for it, so dQ costs it one
 // more product (five per tile pair: S, dP, dV, dK, dQ). A separate dQ kernel, as the Triton kernels of §5 have, must
 // recompute S and dP (seven products) and load K and V once per query tile; in exchange it is deterministic. Here the
 // order of the float32 additions into dQ varies from run to run (the last bits of dQ do), and the scratch buffer
-// costs (B, Hq, Tq, D) float32 per call.
+// costs (B, Hq, Tq, D) float32 per call. The additions: on sm_90 and newer the step's dQ tile is staged in shared
+// memory and the copy engine adds it, a bulk reduction per row (BULK_DQ); elsewhere each thread adds its fragments by
+// atomics, whose addresses, rebuilt row by row under 255 registers, cost more (perf_notes §14).
 #include <algorithm>
 #include <cmath>
 
@@ -30,18 +32,26 @@ namespace {
 //   of D spills): D floats a thread either way;
 //   dQ += dS K: warp w a block of 32 queries (two mma row tiles, as above) by DQ_COLS of D's columns.
 // Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
-// three parked in local memory at D = 64's 128-query steps, read once a step. Shared memory: K and V (2 x 128 x D), Q
-// and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte elements, and lse and
-// Delta: at D = 128 194 KiB with 64 queries triple buffered (sm_90), 161 KiB double buffered (sm_80), else 112.5 KiB
-// with 32, or 96.3 KiB single buffered (sm_86, sm_89: 99 KiB); at D = 64 162 KiB with 128 queries double buffered
-// (triple, 195 KiB, fits sm_90 but runs slower there), else 97 KiB with 64. Fewer, larger steps pay each step's
-// barriers and bookkeeping less often, and each K and V fragment feeds twice the products; a third buffer lets a
-// step's copies take two steps' time to land.
+// three parked in local memory at D = 64's 128-query steps with dQ by atomics, read once a step. Shared memory: K
+// and V (2 x 128 x D), Q and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte
+// elements, lse and Delta, and with BULK_DQ the float32 dQ tile: at D = 128 226.5 KiB with 64 queries triple buffered
+// (sm_90), else by atomics 161 KiB double buffered (sm_80), 112.5 KiB with 32, or 96.3 KiB single buffered (sm_86,
+// sm_89: 99 KiB); at D = 64 196 KiB with 128 queries double buffered (sm_90; triple buffered without the dQ tile it
+// ran slower), else by atomics 162 KiB (sm_80) or 97 KiB with 64. Fewer, larger steps pay each step's barriers and
+// bookkeeping less often, and each K and V fragment feeds twice the products; a third buffer lets a step's copies
+// take two steps' time to land.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
-template <int D, int BM, int STAGES>
+// With BULK_DQ (sm_90 and newer) a step's dQ tile is staged in shared memory as float32 rows DQ_PITCH apart: 16
+// bytes past D, so that the 8 rows one fragment store writes start 4 banks apart and the store takes the two
+// wavefronts its 256 bytes need, where rows of D floats would all start in bank 0
+template <int D>
+constexpr int DQ_PITCH = D + 4;
+
+template <int D, int BM, int STAGES, bool BULK_DQ>
 constexpr int backward_smem_bytes() {
-    return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4;
+    return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4 +
+           (BULK_DQ ? BM * DQ_PITCH<D> * 4 : 0);
 }
 
 // acc += A B, K deep: the warp's two mma row tiles (32 rows of A) by N columns of B, every fragment read from shared
@@ -199,15 +209,33 @@ __device__ __forceinline__ void add_dq_rows(float *dq_row, int rows_left, const 
     }
 }
 
+// The warp's 32 x DQ_COLS of dQ into the step's float32 tile in shared memory from the thread's first element
+// (tile_row), which the step's bulk reductions then add into the buffer (backward_kernel's flush_dq)
+template <int D, int DQ_COLS>
+__device__ __forceinline__ void stage_dq_rows(float *tile_row, const float (&dq)[2][DQ_COLS / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
+        const int row = (r / 2) * 16 + 8 * (r % 2);
+#pragma unroll
+        for (int dn = 0; dn < DQ_COLS / 8; ++dn)
+            *reinterpret_cast<float2 *>(tile_row + row * DQ_PITCH<D> + dn * 8) =
+                make_float2(dq[r / 2][dn][2 * (r % 2)], dq[r / 2][dn][2 * (r % 2) + 1]);
+    }
+    fence_for_bulk();
+}
+
 // §5 dQ += dS K, 32 queries x DQ_COLS: A = dS = (dS^T)^T read with .trans from the keys x queries tile (ds_rows), B =
 // K (keys x D, k_cols) with .trans; each K fragment feeds both row tiles (4 fragment reads per 8 products at the
-// large steps, where 16 rows by twice the columns took 5); then added to dQ's buffer, rows_left rows at most. At
-// D = 128 a warp whose 32 rows all exist skips the row tests, so its atomics share one address register (the tested
-// form, short of registers, rebuilt it each row); at D = 64 that runs slower (perf_notes §14)
-template <typename T, int D, int BM, int DQ_COLS>
-__device__ __forceinline__ void add_dq(float *dq_row, int rows_left, uint32_t ds_rows, uint32_t k_cols) {
+// large steps, where 16 rows by twice the columns took 5). Then, with BULK_DQ, into the step's tile in shared memory
+// from tile_row; else added to dQ's buffer from dq_row, rows_left rows at most, by atomics: there a warp whose 32
+// rows all exist skips the row tests at D = 128, so its atomics share one address register (the tested form, short
+// of registers, rebuilt it each row); at D = 64 that runs slower (perf_notes §14)
+template <typename T, int D, int BM, int DQ_COLS, bool BULK_DQ>
+__device__ __forceinline__ void add_dq(float *dq_row, float *tile_row, int rows_left, uint32_t ds_rows,
+                                       uint32_t k_cols) {
     float dq[2][DQ_COLS / 8][4] = {};
     warp_product<T, BWD_BLOCK_N, DQ_COLS, BM, true, D, true>(dq, ds_rows, k_cols);
+    if constexpr (BULK_DQ) return stage_dq_rows<D, DQ_COLS>(tile_row, dq);
     if constexpr (D == 128)
         if (rows_left >= 32) return add_dq_rows<D, DQ_COLS, false>(dq_row, rows_left, dq);
     add_dq_rows<D, DQ_COLS, true>(dq_row, rows_left, dq);
@@ -241,7 +269,7 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     if (row < rows && col == 0) p.delta[row] = sum;
 }
 
-template <typename T, int D, int BM, int STAGES>
+template <typename T, int D, int BM, int STAGES, bool BULK_DQ>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
     constexpr int BN = BWD_BLOCK_N, HALF_M = BM / 2;
     using E = Element<T>;
@@ -254,6 +282,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     T *s_dst = s_pt + BN * BM;         // dS^T, keys x queries
     float *s_lse = reinterpret_cast<float *>(s_dst + BN * BM);  // STAGES buffers of BM, base 2 (§8)
     float *s_delta = s_lse + STAGES * BM;                        // STAGES buffers of BM
+    float *s_dq = s_delta + STAGES * BM;  // with BULK_DQ: the step's dQ, BM x DQ_PITCH float32
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int key0 = (warp % 4) * 32;  // the warp's 32 keys in the block: two mma row tiles
@@ -317,6 +346,24 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     // dQ: warp w computes query rows (w % ROW_BLOCKS) * 32 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
     constexpr int ROW_BLOCKS = BM / 32, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
     const int dq_row = (warp % ROW_BLOCKS) * 32, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
+    float *dq_stage = s_dq + (dq_row + g) * DQ_PITCH<D> + dq_col + 2 * t;  // the thread's first element of the tile
+
+    // With BULK_DQ: the tile a step staged is added into dQ's buffer once every warp has written it (after the next
+    // step's first barrier, or the loop's), by one bulk reduction per row below Tq, issued by the row's thread; the
+    // thread waits for its reduction to have read the tile before the step's second barrier, after which the tile
+    // is written again. A reduction per row, since the padded rows are not contiguous; each is a uniform-datapath
+    // instruction, which the compiler issues lane by lane. Issued right after the barrier: under the S^T product,
+    // the loop delays the exponentials, and copies moved off the issuing warps (whose waits for the reductions also
+    // wait for their copies) cost more than they saved (perf_notes §14). staged: the staged tile's first row in the
+    // buffer (of lse's rows) and its rows below Tq.
+    int64_t staged_row = 0;
+    int staged_rows = 0;
+    auto flush_dq = [&]() {
+        if (tid < staged_rows) {
+            bulk_add(p.dq_accum + (staged_row + tid) * D, s_dq + tid * DQ_PITCH<D>, D * 4);
+            bulk_commit();
+        }
+    };
 
     // The lane's shared-memory addresses of the first block each product reads, and of its first P^T / dS^T element
     // (a byte offset in the tile); every other block is block_at one of them (rows of buffer buf: + buf * BM)
@@ -341,6 +388,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
         // every thread's copies are visible, and every warp is done with the previous step: its buffer, P^T and dS^T
         __syncthreads();
+        if constexpr (BULK_DQ) flush_dq();  // the previous step's dQ tile
         // multiple buffering (the num_stages of §9): the copies of the step STAGES - 1 ahead go into the buffer the
         // barrier above freed (the previous step's) and run while the steps before it compute; a group is committed
         // even when empty, since the waits count groups. With one buffer they go at the end of the step
@@ -370,14 +418,19 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         store_p<T, BM, HALF_M>(s_pt, p_element, st);
         if (!dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
         store_ds<T, BM, HALF_M>(s_dst, p_element, st, dpt, delta + query0, t);
-        __syncthreads();  // P^T and dS^T are whole
+        if (BULK_DQ && tid < BM) bulk_wait<false>();  // the dQ tile has been read
+        __syncthreads();  // P^T and dS^T are whole (and the dQ tile free)
 
-        // §5 the warp's share of dV += P^T dO and dK += dS^T Q, dO and Q from the step's buffer; then dQ += dS K
-        // into the float32 buffer's rows from the thread's first (dq_first), those below Tq
+        // §5 the warp's share of dV += P^T dO and dK += dS^T Q, dO and Q from the step's buffer; then dQ += dS K,
+        // staged (BULK_DQ) or into the float32 buffer's rows from the thread's first (dq_first), those below Tq
         add_dkv<T, D, BM, PRODUCTS, COLS>(dkv, dkv_a, dkv_b, buf * BM);
         const int dq_first = m0 + dq_row + g;
-        add_dq<T, D, BM, DQ_COLS>(p.dq_accum + (row_base + dq_first) * D + dq_col + 2 * t, Tq - dq_first, ds_rows,
-                                  k_cols);
+        add_dq<T, D, BM, DQ_COLS, BULK_DQ>(p.dq_accum + (row_base + dq_first) * D + dq_col + 2 * t, dq_stage,
+                                           Tq - dq_first, ds_rows, k_cols);
+        if constexpr (BULK_DQ) {
+            staged_row = row_base + m0;
+            staged_rows = min(BM, Tq - m0);
+        }
         if (STAGES == 1 && step + 1 < steps) {
             __syncthreads();  // every warp is done with the one buffer
             issue(next(at), 0);
@@ -385,6 +438,11 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         }
     }
     cp_async_wait<0>();  // no step: K and V's copies are still owed
+    if constexpr (BULK_DQ) {  // the last step's dQ tile, once every warp has staged it
+        __syncthreads();
+        flush_dq();
+        bulk_wait<true>();
+    }
 
     // dV and dK = scale * dS^T Q (§5), the warp's share, summed over the group's query heads (§7), for keys < Tk
 #pragma unroll
@@ -422,10 +480,10 @@ __global__ void dq_kernel(const AttentionParams p, int64_t chunks) {
     }
 }
 
-template <typename T, int D, int BM, int STAGES>
+template <typename T, int D, int BM, int STAGES, bool BULK_DQ = false>
 cudaError_t launch_key_tiles(const AttentionParams &p) {
-    constexpr int smem = backward_smem_bytes<D, BM, STAGES>();
-    auto kernel = backward_kernel<T, D, BM, STAGES>;
+    constexpr int smem = backward_smem_bytes<D, BM, STAGES, BULK_DQ>();
+    auto kernel = backward_kernel<T, D, BM, STAGES, BULK_DQ>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
@@ -439,16 +497,20 @@ cudaError_t launch_backward(const AttentionParams &p) {
     constexpr int ROWS_PER_BLOCK = 128 / (D / 8);
     delta_kernel<T, D><<<static_cast<unsigned>((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), 128, 0, p.stream>>>(p);
 
-    // the largest query step a block's shared memory holds (the device's opt-in maximum): 64 queries at D = 128 with Q
-    // and dO triple buffered (sm_90), then double buffered, or 128 at D = 64 double buffered (a third buffer runs
-    // slower there); then 32 or 64 double buffered; then single buffered
+    // the largest query step a block's shared memory holds (the device's opt-in maximum): on sm_90 and newer with
+    // dQ by bulk reductions, 64 queries at D = 128 with Q and dO triple buffered, or 128 at D = 64 double buffered (a
+    // third buffer runs slower there); then, dQ by atomics, the large step double buffered; then 32 or 64 double
+    // buffered; then single buffered
     const int smem_max = shared_memory(p).per_block;
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64, LARGE_STAGES = D == 128 ? 3 : 2;
-    cudaError_t err = smem_max >= backward_smem_bytes<D, LARGE, LARGE_STAGES>()
-                          ? launch_key_tiles<T, D, LARGE, LARGE_STAGES>(p)
-                      : smem_max >= backward_smem_bytes<D, LARGE, 2>() ? launch_key_tiles<T, D, LARGE, 2>(p)
-                      : smem_max >= backward_smem_bytes<D, SMALL, 2>() ? launch_key_tiles<T, D, SMALL, 2>(p)
-                                                                        : launch_key_tiles<T, D, SMALL, 1>(p);
+    cudaError_t err = major >= 9 && smem_max >= backward_smem_bytes<D, LARGE, LARGE_STAGES, true>()
+                          ? launch_key_tiles<T, D, LARGE, LARGE_STAGES, true>(p)
+                      : smem_max >= backward_smem_bytes<D, LARGE, 2, false>() ? launch_key_tiles<T, D, LARGE, 2>(p)
+                      : smem_max >= backward_smem_bytes<D, SMALL, 2, false>() ? launch_key_tiles<T, D, SMALL, 2>(p)
+                                                                               : launch_key_tiles<T, D, SMALL, 1>(p);
     if (err != cudaSuccess) return err;
 
     const int64_t chunks = rows * D / 8, blocks = std::min<int64_t>((chunks + 255) / 256, 65536);

@@ -214,6 +214,44 @@ __device__ __forceinline__ void load_tile_async(T *tile, const T *base, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
+// Bulk reductions (sm_90 and newer): the copy engine adds a contiguous run of floats from shared memory into global
+// memory, one instruction for the run, where atomics take one per pair of floats and thread. A thread's reductions
+// form groups as its cp.async copies do; their shared memory may be written again once the group has been read.
+
+// dst[i] += src[i] for bytes / 4 floats (bytes a multiple of 16, both addresses 16-byte aligned), asynchronously
+__device__ __forceinline__ void bulk_add(float *dst, const float *src, int bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(smem_address(src)), "r"(bytes)
+                 : "memory");
+#else
+    __trap();  // launch_backward takes this path on sm_90 and newer only
+#endif
+}
+
+__device__ __forceinline__ void bulk_commit() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// wait until this thread's reductions have all read their shared memory (wait_group.read), or with DONE finished
+template <bool DONE>
+__device__ __forceinline__ void bulk_wait() {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (DONE) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+
+// this thread's ordinary shared-memory stores, visible to the copy engine (the async proxy) after the next barrier
+__device__ __forceinline__ void fence_for_bulk() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // math
 
 // 2^x in one instruction (§8 exp2). ex2.approx(-inf) = +0, which masked scores rely on. Called by name instead of
