@@ -123,11 +123,13 @@ std::vector<at::Tensor> backward(const at::Tensor &dout_in, const at::Tensor &q_
     return {dq, dk, dv};
 }
 
-// An eager call's autograd node: forward saves q, k, v, out and lse, and backward runs on the autograd engine's
-// thread with no Python (the operators' autograd, registered from Python, costs a Python call each way).
+// An eager call's autograd node: forward saves q, k, v as the kernels read them (one copy serves both passes), out
+// and lse; backward runs on the autograd engine's thread with no Python (the operators' autograd, registered from
+// Python, costs a Python call each way).
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
-    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &q, const at::Tensor &k,
-                              const at::Tensor &v, bool causal, double scale) {
+    static at::Tensor forward(torch::autograd::AutogradContext *ctx, const at::Tensor &q_in, const at::Tensor &k_in,
+                              const at::Tensor &v_in, bool causal, double scale) {
+        const at::Tensor q = kernel_layout(q_in, "q"), k = kernel_layout(k_in, "k"), v = kernel_layout(v_in, "v");
         std::vector<at::Tensor> out_lse = ::forward(q, k, v, causal, scale);
         ctx->save_for_backward({q, k, v, out_lse[0], out_lse[1]});
         ctx->saved_data["causal"] = causal;
