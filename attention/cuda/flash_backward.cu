@@ -34,24 +34,26 @@ namespace {
 // Registers: D for dK and dV, BM for S^T and dP^T: within 255 (nvcc -Xptxas -v, sm_80 to sm_90) but for a value or
 // three parked in local memory at D = 64's 128-query steps with dQ by atomics, read once a step. Shared memory: K
 // and V (2 x 128 x D), Q and dO in STAGES buffers each (2 x STAGES x BM x D), P^T and dS^T (2 x 128 x BM), in 2-byte
-// elements, lse and Delta, and with BULK_DQ the float32 dQ tile: at D = 128 226.5 KiB with 64 queries triple buffered
-// (sm_90), else by atomics 161 KiB double buffered (sm_80), 112.5 KiB with 32, or 96.3 KiB single buffered (sm_86,
-// sm_89: 99 KiB); at D = 64 196 KiB with 128 queries double buffered (sm_90; triple buffered without the dQ tile it
-// ran slower), else by atomics 162 KiB (sm_80) or 97 KiB with 64. Fewer, larger steps pay each step's barriers and
-// bookkeeping less often, and each K and V fragment feeds twice the products; a third buffer lets a step's copies
-// take two steps' time to land.
+// elements, lse and Delta, and with BULK_DQ the float32 dQ tiles: at D = 128 225.5 KiB with 64 queries triple
+// buffered and one dQ tile (sm_90), else by atomics 161 KiB double buffered (sm_80), 112.5 KiB with 32, or 96.3 KiB
+// single buffered (sm_86, sm_89: 99 KiB); at D = 64 226 KiB with 128 queries double buffered and two dQ tiles (sm_90;
+// triple buffered with one, it ran slower), else by atomics 162 KiB (sm_80) or 97 KiB with 64. Fewer, larger steps
+// pay each step's barriers and bookkeeping less often, and each K and V fragment feeds twice the products; a third
+// buffer lets a step's copies take two steps' time to land.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
-// With BULK_DQ (sm_90 and newer) a step's dQ tile is staged in shared memory as float32 rows DQ_PITCH apart: 16
-// bytes past D, so that the 8 rows one fragment store writes start 4 banks apart and the store takes the two
-// wavefronts its 256 bytes need, where rows of D floats would all start in bank 0
-template <int D>
-constexpr int DQ_PITCH = D + 4;
+// With BULK_DQ (sm_90 and newer) a step's dQ tile is staged in shared memory as BM float32 rows of D, each laid out
+// as its row of dQ's buffer, so that a bulk reduction adds it whole: row i of a head (the tile's row i % BM) holds
+// its 8-float (32-byte) chunk c at chunk dq_chunk(c, i). The 4 rows a half-warp's fragment store writes then fall in
+// 4 different groups of 8 banks and the store takes the two wavefronts its 256 bytes need, where rows of D floats
+// all start in bank 0 and rows padded by 4 floats overlap by half (perf_notes §14). dq_kernel reads the chunks back
+// in order.
+__device__ __forceinline__ int dq_chunk(int chunk, int row) { return chunk ^ (row % 8); }
 
-template <int D, int BM, int STAGES, bool BULK_DQ>
+template <int D, int BM, int STAGES, int DQ_TILES>
 constexpr int backward_smem_bytes() {
     return (2 * BWD_BLOCK_N * D + 2 * STAGES * BM * D + 2 * BWD_BLOCK_N * BM) * 2 + 2 * STAGES * BM * 4 +
-           (BULK_DQ ? BM * DQ_PITCH<D> * 4 : 0);
+           DQ_TILES * BM * D * 4;
 }
 
 // acc += A B, K deep: the warp's two mma row tiles (32 rows of A) by N columns of B, every fragment read from shared
@@ -209,17 +211,21 @@ __device__ __forceinline__ void add_dq_rows(float *dq_row, int rows_left, const 
     }
 }
 
-// The warp's 32 x DQ_COLS of dQ into the step's float32 tile in shared memory from the thread's first element
-// (tile_row), which the step's bulk reductions then add into the buffer (backward_kernel's flush_dq)
+// The warp's 32 x DQ_COLS of dQ into the step's float32 tile in shared memory, which the bulk reductions then add
+// into the buffer (backward_kernel's flush_dq). tile_row: the thread's first row (g of the warp's, so every row
+// of the thread is g mod 8) at its lane's column in a chunk (2t); chunk0: the warp's first chunk (DQ_COLS / 8 of them)
 template <int D, int DQ_COLS>
-__device__ __forceinline__ void stage_dq_rows(float *tile_row, const float (&dq)[2][DQ_COLS / 8][4]) {
+__device__ __forceinline__ void stage_dq_rows(float *tile_row, int chunk0, int g,
+                                              const float (&dq)[2][DQ_COLS / 8][4]) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
-        const int row = (r / 2) * 16 + 8 * (r % 2);
+    for (int dn = 0; dn < DQ_COLS / 8; ++dn) {
+        float *chunk = tile_row + dq_chunk(chunk0 + dn, g) * 8;
 #pragma unroll
-        for (int dn = 0; dn < DQ_COLS / 8; ++dn)
-            *reinterpret_cast<float2 *>(tile_row + row * DQ_PITCH<D> + dn * 8) =
+        for (int r = 0; r < 4; ++r) {  // the thread's rows: tile r / 2, row g + 8 (r % 2) in it
+            const int row = (r / 2) * 16 + 8 * (r % 2);
+            *reinterpret_cast<float2 *>(chunk + row * D) =
                 make_float2(dq[r / 2][dn][2 * (r % 2)], dq[r / 2][dn][2 * (r % 2) + 1]);
+        }
     }
     fence_for_bulk();
 }
@@ -227,15 +233,15 @@ __device__ __forceinline__ void stage_dq_rows(float *tile_row, const float (&dq)
 // §5 dQ += dS K, 32 queries x DQ_COLS: A = dS = (dS^T)^T read with .trans from the keys x queries tile (ds_rows), B =
 // K (keys x D, k_cols) with .trans; each K fragment feeds both row tiles (4 fragment reads per 8 products at the
 // large steps, where 16 rows by twice the columns took 5). Then, with BULK_DQ, into the step's tile in shared memory
-// from tile_row; else added to dQ's buffer from dq_row, rows_left rows at most, by atomics: there a warp whose 32
+// (stage_dq_rows); else added to dQ's buffer from dq_row, rows_left rows at most, by atomics: there a warp whose 32
 // rows all exist skips the row tests at D = 128, so its atomics share one address register (the tested form, short
 // of registers, rebuilt it each row); at D = 64 that runs slower (perf_notes §14)
 template <typename T, int D, int BM, int DQ_COLS, bool BULK_DQ>
-__device__ __forceinline__ void add_dq(float *dq_row, float *tile_row, int rows_left, uint32_t ds_rows,
-                                       uint32_t k_cols) {
+__device__ __forceinline__ void add_dq(float *dq_row, float *tile_row, int chunk0, int g, int rows_left,
+                                       uint32_t ds_rows, uint32_t k_cols) {
     float dq[2][DQ_COLS / 8][4] = {};
     warp_product<T, BWD_BLOCK_N, DQ_COLS, BM, true, D, true>(dq, ds_rows, k_cols);
-    if constexpr (BULK_DQ) return stage_dq_rows<D, DQ_COLS>(tile_row, dq);
+    if constexpr (BULK_DQ) return stage_dq_rows<D, DQ_COLS>(tile_row, chunk0, g, dq);
     if constexpr (D == 128)
         if (rows_left >= 32) return add_dq_rows<D, DQ_COLS, false>(dq_row, rows_left, dq);
     add_dq_rows<D, DQ_COLS, true>(dq_row, rows_left, dq);
@@ -269,9 +275,10 @@ __global__ void __launch_bounds__(128) delta_kernel(const AttentionParams p) {
     if (row < rows && col == 0) p.delta[row] = sum;
 }
 
-template <typename T, int D, int BM, int STAGES, bool BULK_DQ>
+template <typename T, int D, int BM, int STAGES, int DQ_TILES>
 __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionParams p) {
     constexpr int BN = BWD_BLOCK_N, HALF_M = BM / 2;
+    constexpr bool BULK_DQ = DQ_TILES > 0;
     using E = Element<T>;
     extern __shared__ __align__(1024) unsigned char smem[];  // the tiles at multiples of 4 KiB from it (block_at)
     T *s_k = reinterpret_cast<T *>(smem);
@@ -282,7 +289,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     T *s_dst = s_pt + BN * BM;         // dS^T, keys x queries
     float *s_lse = reinterpret_cast<float *>(s_dst + BN * BM);  // STAGES buffers of BM, base 2 (§8)
     float *s_delta = s_lse + STAGES * BM;                        // STAGES buffers of BM
-    float *s_dq = s_delta + STAGES * BM;  // with BULK_DQ: the step's dQ, BM x DQ_PITCH float32
+    float *s_dq = s_delta + STAGES * BM;  // with BULK_DQ: DQ_TILES tiles of dQ, BM x D float32 (dq_chunk's order)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int key0 = (warp % 4) * 32;  // the warp's 32 keys in the block: two mma row tiles
@@ -346,21 +353,23 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     // dQ: warp w computes query rows (w % ROW_BLOCKS) * 32 of the step, columns DQ_COLS wide from (w / ROW_BLOCKS)
     constexpr int ROW_BLOCKS = BM / 32, DQ_COLS = D * ROW_BLOCKS / BWD_WARPS;
     const int dq_row = (warp % ROW_BLOCKS) * 32, dq_col = (warp / ROW_BLOCKS) * DQ_COLS;
-    float *dq_stage = s_dq + (dq_row + g) * DQ_PITCH<D> + dq_col + 2 * t;  // the thread's first element of the tile
+    float *dq_stage = s_dq + (dq_row + g) * D + 2 * t;  // the thread's first row of the tile, at its lane's column
 
     // With BULK_DQ: the tile a step staged is added into dQ's buffer once every warp has written it (after the next
-    // step's first barrier, or the loop's), by one bulk reduction per row below Tq, issued by the row's thread; the
-    // thread waits for its reduction to have read the tile before the step's second barrier, after which the tile
-    // is written again. A reduction per row, since the padded rows are not contiguous; each is a uniform-datapath
-    // instruction, which the compiler issues lane by lane. Issued right after the barrier: under the S^T product,
-    // the loop delays the exponentials, and copies moved off the issuing warps (whose waits for the reductions also
-    // wait for their copies) cost more than they saved (perf_notes §14). staged: the staged tile's first row in the
-    // buffer (of lse's rows) and its rows below Tq.
+    // step's first barrier, or the loop's), by one bulk reduction per row below Tq, issued by the row's thread, which
+    // waits for its reduction to have read the row before the barrier after which the tile is written again: with
+    // one tile the step's second; with two (step s stages into tile s % 2) the next step's first, beside the wait for
+    // the step's copies, which it costs nothing (in SASS both wait on one scoreboard, so a thread's wait for its
+    // reduction also waits for the copies it issued since). A reduction per row, not one for the tile from one
+    // thread, and issued right after the barrier, not under the S^T product: both ran slower (perf_notes §14).
+    // staged: the staged tile's first row in the buffer (of lse's rows) and its rows below Tq; flush_dq(tile) adds
+    // tile (step - 1) % DQ_TILES, staged by the step before.
+    constexpr int TILE_COUNT = BULK_DQ ? DQ_TILES : 1;
     int64_t staged_row = 0;
     int staged_rows = 0;
-    auto flush_dq = [&]() {
+    auto flush_dq = [&](int tile) {
         if (tid < staged_rows) {
-            bulk_add(p.dq_accum + (staged_row + tid) * D, s_dq + tid * DQ_PITCH<D>, D * 4);
+            bulk_add(p.dq_accum + (staged_row + tid) * D, s_dq + (tile * BM + tid) * D, D * 4);
             bulk_commit();
         }
     };
@@ -384,11 +393,12 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         const int64_t row_base = rows_of(at);  // of dq_accum's rows
         // the step's copies, issued while an earlier step computed (with three buffers the next step's may be owed)
         cp_async_wait<STAGES == 3 ? 1 : 0>();
+        if (DQ_TILES == 2 && tid < BM) bulk_wait<false>();  // the tile this step stages into has been read
         // §4 the thread's own lse copy, now arrived, to base 2 (§8); a row past Tq gets +inf, so its P is 0
         if (tid < BM) s_lse[buf * BM + tid] = m0 + tid < Tq ? s_lse[buf * BM + tid] * LOG2E : INFINITY;
         // every thread's copies are visible, and every warp is done with the previous step: its buffer, P^T and dS^T
         __syncthreads();
-        if constexpr (BULK_DQ) flush_dq();  // the previous step's dQ tile
+        if constexpr (BULK_DQ) flush_dq((step + TILE_COUNT - 1) % TILE_COUNT);  // the previous step's dQ tile
         // multiple buffering (the num_stages of §9): the copies of the step STAGES - 1 ahead go into the buffer the
         // barrier above freed (the previous step's) and run while the steps before it compute; a group is committed
         // even when empty, since the waits count groups. With one buffer they go at the end of the step
@@ -418,15 +428,15 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
         store_p<T, BM, HALF_M>(s_pt, p_element, st);
         if (!dp_first) keys_by_queries<T, D, HALF_M>(dpt, v_rows, do_step);
         store_ds<T, BM, HALF_M>(s_dst, p_element, st, dpt, delta + query0, t);
-        if (BULK_DQ && tid < BM) bulk_wait<false>();  // the dQ tile has been read
+        if (DQ_TILES == 1 && tid < BM) bulk_wait<false>();  // the dQ tile has been read
         __syncthreads();  // P^T and dS^T are whole (and the dQ tile free)
 
         // §5 the warp's share of dV += P^T dO and dK += dS^T Q, dO and Q from the step's buffer; then dQ += dS K,
         // staged (BULK_DQ) or into the float32 buffer's rows from the thread's first (dq_first), those below Tq
         add_dkv<T, D, BM, PRODUCTS, COLS>(dkv, dkv_a, dkv_b, buf * BM);
-        const int dq_first = m0 + dq_row + g;
-        add_dq<T, D, BM, DQ_COLS, BULK_DQ>(p.dq_accum + (row_base + dq_first) * D + dq_col + 2 * t, dq_stage,
-                                           Tq - dq_first, ds_rows, k_cols);
+        const int dq_first = m0 + dq_row + g, tile = step % TILE_COUNT;
+        add_dq<T, D, BM, DQ_COLS, BULK_DQ>(p.dq_accum + (row_base + dq_first) * D + dq_col + 2 * t,
+                                           dq_stage + tile * BM * D, dq_col / 8, g, Tq - dq_first, ds_rows, k_cols);
         if constexpr (BULK_DQ) {
             staged_row = row_base + m0;
             staged_rows = min(BM, Tq - m0);
@@ -440,7 +450,7 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
     cp_async_wait<0>();  // no step: K and V's copies are still owed
     if constexpr (BULK_DQ) {  // the last step's dQ tile, once every warp has staged it
         __syncthreads();
-        flush_dq();
+        flush_dq((steps + TILE_COUNT - 1) % TILE_COUNT);
         bulk_wait<true>();
     }
 
@@ -466,24 +476,31 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 }
 
 // dQ = scale * dq_accum (§5: the scale applied once), in the inputs' dtype. Both are contiguous (B, Hq, Tq, D)
-// (binding.cpp allocates them so), element for element: 8 a thread, read as two float4 and stored as 16 bytes
-template <typename T>
+// (binding.cpp allocates them so): a thread takes one 8-element chunk of dQ, read as two float4 (from dq_chunk's
+// place in its row with BULK_DQ) and stored as 16 bytes
+template <typename T, int D, bool BULK_DQ>
 __global__ void dq_kernel(const AttentionParams p, int64_t chunks) {
+    constexpr int ROW_CHUNKS = D / 8;
     const float4 *accum = reinterpret_cast<const float4 *>(p.dq_accum);
     uint4 *dq = static_cast<uint4 *>(p.dq);
     const float s = p.scale;
     for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < chunks;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const float4 lo = accum[2 * c], hi = accum[2 * c + 1];
+        int64_t from = c;
+        if constexpr (BULK_DQ) {  // rows number fewer than 2^31: a float32 row of D takes 256 bytes or more
+            const uint32_t row = static_cast<uint32_t>(c / ROW_CHUNKS);
+            from = c - c % ROW_CHUNKS + dq_chunk(c % ROW_CHUNKS, row % static_cast<uint32_t>(p.seqlen_q));
+        }
+        const float4 lo = accum[2 * from], hi = accum[2 * from + 1];
         dq[c] = make_uint4(Element<T>::pack(lo.x * s, lo.y * s), Element<T>::pack(lo.z * s, lo.w * s),
                            Element<T>::pack(hi.x * s, hi.y * s), Element<T>::pack(hi.z * s, hi.w * s));
     }
 }
 
-template <typename T, int D, int BM, int STAGES, bool BULK_DQ = false>
+template <typename T, int D, int BM, int STAGES, int DQ_TILES = 0>
 cudaError_t launch_key_tiles(const AttentionParams &p) {
-    constexpr int smem = backward_smem_bytes<D, BM, STAGES, BULK_DQ>();
-    auto kernel = backward_kernel<T, D, BM, STAGES, BULK_DQ>;
+    constexpr int smem = backward_smem_bytes<D, BM, STAGES, DQ_TILES>();
+    auto kernel = backward_kernel<T, D, BM, STAGES, DQ_TILES>;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     const dim3 grid((p.seqlen_k + BWD_BLOCK_N - 1) / BWD_BLOCK_N, p.batch * p.heads_kv);
@@ -498,23 +515,25 @@ cudaError_t launch_backward(const AttentionParams &p) {
     delta_kernel<T, D><<<static_cast<unsigned>((rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK), 128, 0, p.stream>>>(p);
 
     // the largest query step a block's shared memory holds (the device's opt-in maximum): on sm_90 and newer with
-    // dQ by bulk reductions, 64 queries at D = 128 with Q and dO triple buffered, or 128 at D = 64 double buffered (a
-    // third buffer runs slower there); then, dQ by atomics, the large step double buffered; then 32 or 64 double
-    // buffered; then single buffered
+    // dQ by bulk reductions, 64 queries at D = 128 with Q and dO triple buffered, or 128 at D = 64 double buffered
+    // with two dQ tiles (a third buffer runs slower there); then, dQ by atomics, the large step double buffered; then
+    // 32 or 64 double buffered; then single buffered
     const int smem_max = shared_memory(p).per_block;
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     constexpr int LARGE = D == 128 ? 64 : 128, SMALL = D == 128 ? 32 : 64, LARGE_STAGES = D == 128 ? 3 : 2;
-    cudaError_t err = major >= 9 && smem_max >= backward_smem_bytes<D, LARGE, LARGE_STAGES, true>()
-                          ? launch_key_tiles<T, D, LARGE, LARGE_STAGES, true>(p)
-                      : smem_max >= backward_smem_bytes<D, LARGE, 2, false>() ? launch_key_tiles<T, D, LARGE, 2>(p)
-                      : smem_max >= backward_smem_bytes<D, SMALL, 2, false>() ? launch_key_tiles<T, D, SMALL, 2>(p)
+    constexpr int DQ_TILES = D == 128 ? 1 : 2;
+    const bool bulk_dq = major >= 9 && smem_max >= backward_smem_bytes<D, LARGE, LARGE_STAGES, DQ_TILES>();
+    cudaError_t err = bulk_dq ? launch_key_tiles<T, D, LARGE, LARGE_STAGES, DQ_TILES>(p)
+                      : smem_max >= backward_smem_bytes<D, LARGE, 2, 0>() ? launch_key_tiles<T, D, LARGE, 2>(p)
+                      : smem_max >= backward_smem_bytes<D, SMALL, 2, 0>() ? launch_key_tiles<T, D, SMALL, 2>(p)
                                                                                : launch_key_tiles<T, D, SMALL, 1>(p);
     if (err != cudaSuccess) return err;
 
     const int64_t chunks = rows * D / 8, blocks = std::min<int64_t>((chunks + 255) / 256, 65536);
-    dq_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, p.stream>>>(p, chunks);
+    auto to_dq = bulk_dq ? dq_kernel<T, D, true> : dq_kernel<T, D, false>;
+    to_dq<<<static_cast<unsigned>(blocks), 256, 0, p.stream>>>(p, chunks);
     return cudaGetLastError();
 }
 
