@@ -42,12 +42,9 @@ namespace {
 // buffer lets a step's copies take two steps' time to land.
 constexpr int BWD_BLOCK_N = 128, BWD_WARPS = 8, BWD_THREADS = 32 * BWD_WARPS;
 
-// With BULK_DQ (sm_90 and newer) a step's dQ tile is staged in shared memory as BM float32 rows of D, each laid out
-// as its row of dQ's buffer, so that a bulk reduction adds it whole: row i of a head (the tile's row i % BM) holds
-// its 8-float (32-byte) chunk c at chunk dq_chunk(c, i). The 4 rows a half-warp's fragment store writes then fall in
-// 4 different groups of 8 banks and the store takes the two wavefronts its 256 bytes need, where rows of D floats
-// all start in bank 0 and rows padded by 4 floats overlap by half (perf_notes §14). dq_kernel reads the chunks back
-// in order.
+// With BULK_DQ (sm_90 and newer) a step's dQ tile is staged in shared memory as BM float32 rows of D, each as its
+// row of dQ's buffer lies: row i of a head keeps its 32-byte chunk c at chunk dq_chunk(c, i), so the 4 rows of a
+// half-warp's fragment store fall in different banks (unswizzled, all start in bank 0). dq_kernel reads them back.
 __device__ __forceinline__ int dq_chunk(int chunk, int row) { return chunk ^ (row % 8); }
 
 template <int D, int BM, int STAGES, int DQ_TILES>
@@ -211,9 +208,8 @@ __device__ __forceinline__ void add_dq_rows(float *dq_row, int rows_left, const 
     }
 }
 
-// The warp's 32 x DQ_COLS of dQ into the step's float32 tile in shared memory, which the bulk reductions then add
-// into the buffer (backward_kernel's flush_dq). tile_row: the thread's first row (g of the warp's, so every row
-// of the thread is g mod 8) at its lane's column in a chunk (2t); chunk0: the warp's first chunk (DQ_COLS / 8 of them)
+// The warp's 32 x DQ_COLS of dQ into the step's float32 tile in shared memory (for flush_dq). tile_row: the thread's
+// first row (g of the warp's: all its rows are g mod 8) at its lane's column (2t); chunk0: the warp's first chunk
 template <int D, int DQ_COLS>
 __device__ __forceinline__ void stage_dq_rows(float *tile_row, int chunk0, int g,
                                               const float (&dq)[2][DQ_COLS / 8][4]) {
@@ -357,13 +353,10 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 
     // With BULK_DQ: the tile a step staged is added into dQ's buffer once every warp has written it (after the next
     // step's first barrier, or the loop's), by one bulk reduction per row below Tq, issued by the row's thread, which
-    // waits for its reduction to have read the row before the barrier after which the tile is written again: with
-    // one tile the step's second; with two (step s stages into tile s % 2) the next step's first, beside the wait for
-    // the step's copies, which it costs nothing (in SASS both wait on one scoreboard, so a thread's wait for its
-    // reduction also waits for the copies it issued since). A reduction per row, not one for the tile from one
-    // thread, and issued right after the barrier, not under the S^T product: both ran slower (perf_notes §14).
-    // staged: the staged tile's first row in the buffer (of lse's rows) and its rows below Tq; flush_dq(tile) adds
-    // tile (step - 1) % DQ_TILES, staged by the step before.
+    // waits for it to have read the row before the barrier after which the tile is written again: with one tile the
+    // step's second; with two (step s stages into tile s % 2) the next step's first, beside its wait for its copies
+    // (one scoreboard in SASS: a wait for a reduction waits for the thread's copies too). Other forms ran slower
+    // (perf_notes §14). staged: the staged tile's first row in the buffer (of lse's rows) and its rows below Tq.
     constexpr int TILE_COUNT = BULK_DQ ? DQ_TILES : 1;
     int64_t staged_row = 0;
     int staged_rows = 0;
@@ -476,8 +469,8 @@ __global__ void __launch_bounds__(BWD_THREADS) backward_kernel(const AttentionPa
 }
 
 // dQ = scale * dq_accum (§5: the scale applied once), in the inputs' dtype. Both are contiguous (B, Hq, Tq, D)
-// (binding.cpp allocates them so): a thread takes one 8-element chunk of dQ, read as two float4 (from dq_chunk's
-// place in its row with BULK_DQ) and stored as 16 bytes
+// (binding.cpp allocates them so): 8 elements a thread, read as two float4 (with BULK_DQ from dq_chunk's place)
+// and stored as 16 bytes
 template <typename T, int D, bool BULK_DQ>
 __global__ void dq_kernel(const AttentionParams p, int64_t chunks) {
     constexpr int ROW_CHUNKS = D / 8;

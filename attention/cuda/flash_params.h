@@ -26,8 +26,7 @@ struct AttentionParams {
     const void *dout;
     Strides do_stride;
     float *delta;     // (B, Hq, Tq) rowsum(dO * O) (§5)
-    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32 (on sm_90 a row's chunks permuted: flash_backward.cu's
-                      // dq_chunk): delta_kernel zeroes it, backward_kernel adds dS K into it
+    float *dq_accum;  // (B, Hq, Tq, D) contiguous float32 (sm_90: dq_chunk's order), zeroed by delta_kernel
     void *dq;         // (B, Hq, Tq, D) contiguous, as dq_accum
     void *dk, *dv;
     Strides dk_stride, dv_stride;
