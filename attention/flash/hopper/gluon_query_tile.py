@@ -7,6 +7,7 @@ Gluon inlines each of these where it is called: split into them, the sm_90 build
 
 Imported only where Gluon exists (device.HAS_GLUON), as gluon_common.
 """
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -128,14 +129,29 @@ def issue_dv_wait_dp(pt, tt, v_mine, do, dv, zeros, dpt_token, delta_smem, DROPO
             dpt = warpgroup_mma_wait(1, deps=[dpt_token]) - delta[None, :]
     return dv_token, pt, dpt
 
+@triton.constexpr_function
+def keys_in_registers(m):
+    """The layout of a warpgroup's S^T keys as (warp, key bits 0-2) by m queries with the keys in registers: the
+    lanes that hold key bits 0-2 in a wgmma accumulator (lane bits 2-4) hold the queries' bits 0, 3 and 4 instead,
+    lane bits 0-1 their bits 1-2 as there. A sum over the keys is then a thread's own, and its result lies in one
+    thread, not in the 8 a sum across lanes leaves it in."""
+    registers = [[0, 1, 0], [0, 2, 0], [0, 4, 0]] + [[0, 0, 1 << bit] for bit in range(5, m.bit_length() - 1)]
+    lanes = [[0, 0, 2], [0, 0, 4], [0, 0, 1], [0, 0, 8], [0, 0, 16]]
+    return gl.DistributedLinearLayout(registers, lanes, [[1, 0, 0], [2, 0, 0]], [], [4, 8, m])
+
 @gluon.jit
 def add_sink_rows(dst, SINK_ROWS, bh, start_m, Tq):
     """§15 the sinks' rows: this tile's part of each query row's sum over keys of dS = P (dP - Delta), from dS^T
     (KEYS, M) in float32, added into SINK_ROWS (the rows of (B*Hq, Tq)), where the pre-pass put Delta (1 - P_sink):
     the sum of P dP over the row's keys then, whatever Delta's rounding (attn_bwd_prepare)."""
     # each warp adds its own 16 keys' sums: a sum across the warpgroup's warps would pass through shared memory and
-    # a barrier; four relaxed atomics a row are stores the consumers do not wait on
-    per_warp = gl.sum(gl.reshape(dst, [4, KEYS // 4, dst.shape[1]]), axis=1)  # (4, M): rows of keys by warp
+    # a barrier; four relaxed atomics a row are stores the consumers do not wait on. A thread holds keys g and g + 8
+    # of its warp's 16 (added first); the other 7 pairs' values come to it by one exchange within the warp
+    # (keys_in_registers), where a sum across lanes takes three shuffles per value and leaves each sum in 8 lanes,
+    # each issuing its atomic
+    M: gl.constexpr = dst.shape[1]
+    pairs = gl.sum(gl.reshape(dst, [4, 2, KEYS // 8, M]), axis=1)  # (4, 8, M): keys g + {0, 8} added
+    per_warp = gl.sum(gl.convert_layout(pairs, keys_in_registers(M)), axis=1)  # (4, M): rows of keys by warp
     queries = start_m + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, per_warp.type.layout))  # (M,)
     rows, _ = gl.broadcast(queries[None, :], per_warp)  # (4, M)
     gl.atomic_add(SINK_ROWS + bh.to(gl.int64) * Tq + rows, per_warp, mask=rows < Tq, sem="relaxed")  # no fences
