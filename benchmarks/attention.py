@@ -37,7 +37,7 @@ from attention import attention
 from attention.flash import tuner
 from attention.flash.native import wait as native_launcher_built
 from benchmarks.attention_report import write_report
-from benchmarks.report import default_out_dir, environment, parse_bool, rotations, write_json
+from benchmarks.report import default_out_dir, environment, measured, parse_bool, rotations, write_json
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 # The backward pass does 5 matmuls of the forward's size (S recomputed, dV, dP, dQ, dK) against the
@@ -284,10 +284,11 @@ def measure(fns: dict, shape: Shape, passes_of: dict[str, list[str]], dtype, dev
             continue
         ms = statistics.median(ts)
         flops = attention_flops(shape.B, shape.nh, shape.T, shape.hs, shape.causal, pass_)
-        cell = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "peak_mem_gib": None, "status": "ok"}
+        ms = measured(ms)
+        cell = {"ms": ms, "tflops": measured(flops / (ms * 1e-3) / 1e12), "peak_mem_gib": None, "status": "ok"}
         if pass_ == "fwd+bwd" and device.type == "cuda":
             try:
-                cell["peak_mem_gib"] = peak_memory_gib(fns[name], *inputs[name], shape.causal)
+                cell["peak_mem_gib"] = measured(peak_memory_gib(fns[name], *inputs[name], shape.causal))
             except Exception as e:
                 cell = failed_cell(e, device)
         cells[name][pass_] = cell
@@ -368,11 +369,11 @@ def run(args) -> Path:
         skips = {name: factories[name] if isinstance(factories[name], str)
                  else score_memory_skip_reason(name, shape, dtype.itemsize, free) for name in args.backends}
         run_now = {name: factories[name] for name in args.backends if todo[name] and not skips[name]}
-        measured = measure(run_now, shape, todo, dtype, device, args.rep_ms, args.rounds)
+        cells_by_backend = measure(run_now, shape, todo, dtype, device, args.rep_ms, args.rounds)
         for name in args.backends:
-            cells = measured.get(name) or {p: empty_cell(skips[name]) for p in todo[name]}
+            cells = cells_by_backend.get(name) or {p: empty_cell(skips[name]) for p in todo[name]}
             # which of our kernels ran: the tuner's choice per kernel, a fact the times alone do not tell
-            ran_ours = name == "triton" and name in measured
+            ran_ours = name == "triton" and name in cells_by_backend
             chosen = {kernel: str(choice) for kernel, choice in tuner.tuned_choices(
                 shape.hs, shape.causal, dtype, shape.T, shape.T).items()} if ran_ours else {}
             rows += [{"backend": name, **asdict(shape), "pass": p, **cell, **({"tuner": chosen} if chosen else {})}

@@ -73,6 +73,12 @@ def fmt(x, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def measured(x: float) -> float:
+    """A measurement as results.json keeps it: six significant figures, far finer than a timing's noise (a float's
+    seventeen would only make the raw files larger)."""
+    return float(f"{x:.6g}")
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

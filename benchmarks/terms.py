@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from attention import attention
 from benchmarks.attention import DTYPES, comma_list, failed_cell, median_ms, warm_up_gpu
-from benchmarks.report import default_out_dir, environment, parse_bool, rotations, write_json
+from benchmarks.report import default_out_dir, environment, measured, parse_bool, rotations, write_json
 from benchmarks.terms_report import write_report
 
 PASSES = ("fwd", "fwd+bwd")
@@ -156,7 +156,7 @@ def measure(args, causal: bool, device, dtype, results: dict, save) -> None:
             if cell["status"] not in ("not run", "ok"):  # failed in an earlier round
                 continue
             try:
-                cell["ms_rounds"].append(median_ms(*steps[key], device, args.rep_ms))
+                cell["ms_rounds"].append(measured(median_ms(*steps[key], device, args.rep_ms)))
                 cell.update(ms=statistics.median(cell["ms_rounds"]), status="ok")
             except Exception as e:
                 cell.update(ms=None, status=failed_cell(e, device)["status"])
@@ -209,7 +209,7 @@ def parse_args(argv=None):
     p.add_argument("--candidates", type=comma_list(str), default=list(CANDIDATES),
                    help=f"comma-separated, from {','.join(CANDIDATES)}")
     p.add_argument("--rounds", type=int, help="rounds, the order rotating; a cell's ms is their median "
-                                              "(default 5 on cuda, 1 on cpu)")
+                                              "(default 9 on cuda, 1 on cpu)")
     p.add_argument("--rep_ms", type=float, help="time spent timing each cell in a round (default 100 on cuda; on "
                                                 "cpu 1: three calls)")
     p.add_argument("--out_dir", help="default out/terms/")
@@ -221,7 +221,7 @@ def parse_args(argv=None):
     for key, value in SIZES["cuda" if on_gpu else "cpu"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.rounds = args.rounds or (5 if on_gpu else 1)
+    args.rounds = args.rounds or (9 if on_gpu else 1)
     args.rep_ms = args.rep_ms or (100.0 if on_gpu else 1.0)
     for what, given, allowed in (("candidate", args.candidates, CANDIDATES), ("pass", args.passes, PASSES)):
         unknown = [x for x in given if x not in allowed]
