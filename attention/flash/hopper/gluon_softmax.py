@@ -41,13 +41,23 @@ def mask_keys(s, first_row, start_n, diag, Tq, Tk, b, SPANS, IDS, stride_ids, s_
     return gl.where(visible, s, float("-inf"))
 
 @gluon.jit
+def key_positions(first, N: gl.constexpr, s_layout: gl.constexpr):
+    """first + 0 ... N - 1 as float32 (N,) in the scores' column layout, for ALiBi's bias (§15), converted without
+    a conversion per column: in a wgmma accumulator a thread's columns differ from one another by constants (bits 0
+    and 3 and up of the column come from the register) and share bits 1-2 (its lane's), so first plus those bits is
+    one value a thread, converted once, and the constants are the compiler's. A split of the column's bits, right
+    for any layout; only its cost depends on the layout."""
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, s_layout))  # (N,)
+    return (first + (cols & 6)).to(gl.float32) + (cols & ~6).to(gl.float32)
+
+@gluon.jit
 def tile_terms(s, first_row, start_n, shift, cap_scale, slope, s_layout: gl.constexpr, FOLD: gl.constexpr):
     """§15 softcap and ALiBi on the scores s (ROWS, N) of rows first_row ... and keys start_n ..., before the mask
     (score_terms, in its units; shift = Tk - Tq aligns the rows among the keys bottom-right, §6). FOLD (ALiBi under
     the causal mask): the keys' part of the bias alone, past the origin first_row + shift, the first row's position;
     row first_row + i's scores then exceed its true ones by slope * i (alibi_rows)."""
     if FOLD:
-        keys = (start_n - first_row - shift) + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))  # (N,)
+        keys = key_positions(start_n - first_row - shift, s.shape[1], s_layout)  # (N,)
         s = score_terms(s, None, keys[None, :], cap_scale, slope)[0]
     else:
         rows = first_row + shift + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
@@ -66,7 +76,7 @@ def mirrored_terms(s, first_row, start_n, shift, unit, cap_scale, slope, s_layou
     BLOCK_N: gl.constexpr = s.shape[1]
     o = first_row + shift
     i = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))  # (ROWS,)
-    keys = (start_n - o) + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # (N,) past o
+    keys = key_positions(start_n - o, BLOCK_N, s_layout)  # (N,) past o
     row_unit = (slope * unit) * i.to(gl.float32)
     left = start_n + BLOCK_N - 1 <= o
     if left | (start_n >= o + ROWS - 1):  # left or right of every row: one add per score
