@@ -9,6 +9,7 @@
 Every setting, with its default, is a field of TrainConfig (training/config.py); docs/training.md
 explains them, the checkpoints and the metrics.jsonl format.
 """
+import gc
 import math
 import os
 import random
@@ -193,6 +194,10 @@ def train(cfg: TrainConfig) -> None:
     try:
         with StopSignal(immediate=world.size == 1) as stop:
             run(cfg, world, device, stop)
+        # FSDP2's sharded model outlives run() in reference cycles. Collected at interpreter exit instead, its tensors
+        # can be released from a gloo worker thread while Python finalizes, which aborts the rank ("terminate called
+        # without an active exception", PyTorch issue 190489): so they go now, while the interpreter is whole
+        gc.collect()
         # rank 0 is still writing the checkpoint; gloo can abort a rank that tears the group down
         # while another still uses it, so all leave together (not after an error: that would hang)
         wait_for_all_ranks()
